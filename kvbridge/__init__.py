@@ -1,0 +1,6 @@
+"""kvbridge: KV-cache transfer for prefill/decode disaggregated serving, over pluggable transports."""
+
+from kvbridge.core.registry import available_transports, load_transport
+
+__all__ = ["available_transports", "load_transport", "__version__"]
+__version__ = "0.1.0"

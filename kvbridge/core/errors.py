@@ -1,0 +1,59 @@
+"""Exceptions raised by kvbridge. Every message says what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class KvbridgeError(Exception):
+    """Base class of every error kvbridge raises on purpose."""
+
+
+class LayoutError(KvbridgeError, ValueError):
+    """A layout (groups, tensors, regions) is inconsistent on its own."""
+
+
+class LayoutMismatchError(LayoutError):
+    """Two layouts cannot exchange KV blocks; ``differences`` lists every differing field."""
+
+    def __init__(self, differences: list[str]) -> None:
+        self.differences = list(differences)
+        super().__init__(
+            "layouts are incompatible:\n  - "
+            + "\n  - ".join(self.differences)
+            + "\nboth engines must serve the same model with the same cache configuration"
+        )
+
+
+class BlockIdError(KvbridgeError, ValueError):
+    """Block ids are out of range or cannot be aligned between the two sides."""
+
+
+class PlanError(KvbridgeError):
+    """A transfer plan would be wrong (for example, overlapping destinations)."""
+
+
+class TransportError(KvbridgeError):
+    """Base class of transport failures."""
+
+
+class TransportNotFoundError(TransportError, LookupError):
+    """No transport is installed under the requested name."""
+
+
+class TransportUnavailableError(TransportError, ImportError):
+    """The transport is installed but its engine library cannot be loaded."""
+
+
+class RegistrationError(TransportError):
+    """Memory could not be registered, or a range used in a transfer is not registered."""
+
+
+class PeerError(TransportError):
+    """A peer is unknown, unreachable or sent unusable metadata."""
+
+
+class TransferError(TransportError):
+    """An engine reported a failed transfer."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A transfer did not finish within its timeout; its resources were released."""

@@ -1,0 +1,222 @@
+"""The transport contract: what a plugin must provide to move KV bytes between two agents.
+
+A transport knows bytes and peers, nothing else: it never sees cache groups, layers or block ids.
+Plugins are found through the entry-point group ``kvbridge.transports`` (see ``registry``).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.core.errors import TransferError, TransferTimeoutError
+
+AddrArray = npt.NDArray[np.uint64]
+
+
+class TransferOp(enum.Enum):
+    """Direction of a transfer, seen from the agent that submits it."""
+
+    READ = "read"  # remote -> local
+    WRITE = "write"  # local -> remote
+
+
+class TransferState(enum.Enum):
+    """Life cycle of one submitted batch."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """Outcome of ``Transport.poll``; ``reason`` is set when the state is ``FAILED``."""
+
+    state: TransferState
+    reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state is not TransferState.PENDING
+
+
+PENDING = TransferStatus(TransferState.PENDING)
+DONE = TransferStatus(TransferState.DONE)
+
+
+class MemoryKind(enum.Enum):
+    """Where a registered range lives."""
+
+    DRAM = "dram"
+    VRAM = "vram"
+
+
+@dataclass(frozen=True, order=True)
+class MemoryRange:
+    """A contiguous range of memory to register: ``[addr, addr + size)``."""
+
+    addr: int
+    size: int
+    kind: MemoryKind = MemoryKind.DRAM
+    device_id: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.size
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    """What a transport declares about itself.
+
+    ``max_batch`` is the most descriptors the engine accepts in one call (``None``: no limit);
+    the transport splits larger batches itself, callers never need to.
+    """
+
+    max_batch: int | None = None
+    memory_kinds: frozenset[MemoryKind] = field(default_factory=lambda: frozenset({MemoryKind.DRAM}))
+
+
+@dataclass
+class TransferHandle:
+    """A submitted batch. Transports subclass it to keep their engine's state."""
+
+    op: TransferOp
+    peer: str
+    count: int
+    nbytes: int
+    deadline: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Transport(abc.ABC):
+    """Abstract transport. Subclasses implement the abstract methods and set ``name``.
+
+    Construction takes keyword options only (from ``load_transport(name, **options)``).
+    ``timeout`` (seconds) bounds every transfer; an engine call that could block forever must be
+    bounded by it.
+    """
+
+    name: ClassVar[str] = "abstract"
+    #: pip requirement that brings the engine, shown when the engine library is missing.
+    install_hint: ClassVar[str] = ""
+
+    def __init__(self, *, timeout: float = 30.0) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.timeout = float(timeout)
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``TransportUnavailableError`` when the engine library cannot be loaded."""
+
+    @property
+    @abc.abstractmethod
+    def limits(self) -> TransportLimits: ...
+
+    @abc.abstractmethod
+    def register(self, ranges: Sequence[MemoryRange]) -> None:
+        """Register memory; registering a range already registered is a no-op."""
+
+    @abc.abstractmethod
+    def deregister(self, ranges: Sequence[MemoryRange]) -> None:
+        """Release ranges registered before; unknown ranges are ignored."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent (passed to the peer's ``connect``)."""
+
+    @abc.abstractmethod
+    def connect(self, peer: str, metadata: bytes) -> None:
+        """Make ``peer`` reachable under the given name; reconnecting replaces the old entry."""
+
+    @abc.abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer``; unknown peers are ignored."""
+
+    @abc.abstractmethod
+    def submit(
+        self,
+        op: TransferOp,
+        peer: str,
+        local: AddrArray,
+        remote: AddrArray,
+        lengths: AddrArray,
+    ) -> TransferHandle:
+        """Start moving ``lengths[i]`` bytes between ``local[i]`` and ``remote[i]``; never blocks long."""
+
+    @abc.abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        """State of a batch; a batch past its deadline is released and reported ``FAILED``."""
+
+    def release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
+        """Free what the engine holds for a finished or abandoned batch."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Disconnect every peer and deregister every range. Safe to call twice."""
+
+    def wait(self, handle: TransferHandle, timeout: float | None = None) -> None:
+        """Poll until the batch finishes; raise ``TransferError`` on failure or timeout.
+
+        The wait is bounded by the handle's deadline and by ``timeout`` when given.
+        """
+        limit = handle.deadline if timeout is None else min(handle.deadline, time.monotonic() + timeout)
+        delay = 1e-5
+        while True:
+            status = self.poll(handle)
+            if status.state is TransferState.DONE:
+                return
+            if status.state is TransferState.FAILED:
+                raise TransferError(status.reason or "transfer failed")
+            if time.monotonic() >= limit:
+                self.release(handle)
+                raise TransferTimeoutError(
+                    f"{handle.op.value} of {handle.count} descriptors ({handle.nbytes} bytes) "
+                    f"to peer {handle.peer!r} did not finish in time; the batch was released"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+    def transfer(
+        self,
+        op: TransferOp,
+        peer: str,
+        local: AddrArray,
+        remote: AddrArray,
+        lengths: AddrArray,
+    ) -> None:
+        """Submit and wait: the synchronous convenience over ``submit``/``wait``."""
+        self.wait(self.submit(op, peer, local, remote, lengths))
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def as_addr_array(values: Any) -> AddrArray:
+    """Coerce a sequence or array to a contiguous 1-D ``uint64`` array."""
+    arr = np.ascontiguousarray(values, dtype=np.uint64)
+    if arr.ndim != 1:
+        raise ValueError(f"descriptor arrays must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def check_descriptors(local: AddrArray, remote: AddrArray, lengths: AddrArray) -> tuple[int, int]:
+    """Validate descriptor arrays; return ``(count, total bytes)``."""
+    if not (local.shape == remote.shape == lengths.shape):
+        raise ValueError(
+            f"descriptor arrays differ in length: local {local.shape}, remote {remote.shape}, "
+            f"lengths {lengths.shape}"
+        )
+    return int(local.shape[0]), int(lengths.sum(dtype=np.uint64))
