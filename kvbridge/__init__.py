@@ -1,4 +1,4 @@
-"""kvbridge: KV-cache transfer for prefill/decode disaggregated serving, over pluggable transports."""
+"""kvbridge: KV-cache transfer for prefill/decode disaggregated serving, any transport."""
 
 from kvbridge.core.registry import available_transports, load_transport
 

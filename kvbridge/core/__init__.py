@@ -1,1 +1,89 @@
-"""Core of kvbridge."""
+"""The core of kvbridge: cache-group semantics, transfer planning and the transport contract.
+
+Nothing here imports torch, a serving engine or a transfer engine.
+"""
+
+from kvbridge.core.block_mapping import (
+    align_block_ids,
+    clip_sliding_window,
+    drop_null_blocks,
+    logical_to_kernel,
+    prepare_block_ids,
+)
+from kvbridge.core.boundary import (
+    blocks_for_tokens,
+    prefill_token_count,
+    remote_prefill_token_count,
+)
+from kvbridge.core.compat import check_compatible, layout_differences
+from kvbridge.core.errors import (
+    BlockIdError,
+    KvbridgeError,
+    LayoutError,
+    LayoutMismatchError,
+    PeerError,
+    PlanError,
+    RegistrationError,
+    TransferError,
+    TransferTimeoutError,
+    TransportError,
+    TransportNotFoundError,
+    TransportUnavailableError,
+)
+from kvbridge.core.groups import CacheGroup, GroupKind
+from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Part, Region
+from kvbridge.core.planning import TransferPlan, merge_descriptors, plan_transfers
+from kvbridge.core.transport import (
+    MemoryKind,
+    MemoryRange,
+    TransferHandle,
+    TransferOp,
+    TransferState,
+    TransferStatus,
+    Transport,
+    TransportLimits,
+)
+
+__all__ = [
+    "BlockIdError",
+    "CacheGroup",
+    "CacheTensor",
+    "GroupKind",
+    "KVLayout",
+    "KvbridgeError",
+    "Layout",
+    "LayoutError",
+    "LayoutMismatchError",
+    "LayoutSpec",
+    "MemoryKind",
+    "MemoryRange",
+    "Part",
+    "PeerError",
+    "PlanError",
+    "Region",
+    "RegistrationError",
+    "TransferError",
+    "TransferHandle",
+    "TransferOp",
+    "TransferPlan",
+    "TransferState",
+    "TransferStatus",
+    "TransferTimeoutError",
+    "Transport",
+    "TransportError",
+    "TransportLimits",
+    "TransportNotFoundError",
+    "TransportUnavailableError",
+    "align_block_ids",
+    "blocks_for_tokens",
+    "check_compatible",
+    "clip_sliding_window",
+    "drop_null_blocks",
+    "layout_differences",
+    "logical_to_kernel",
+    "merge_descriptors",
+    "plan_transfers",
+    "prefill_token_count",
+    "prepare_block_ids",
+    "remote_prefill_token_count",
+]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ class RegisteredRanges:
     def __len__(self) -> int:
         return len(self._ranges)
 
-    def __iter__(self) -> Iterable[MemoryRange]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[MemoryRange]:
         return iter(list(self._ranges.values()))
 
     def __contains__(self, rng: object) -> bool:

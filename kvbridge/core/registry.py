@@ -28,14 +28,14 @@ class TransportInfo:
     reason: str = ""
 
 
-def _manager() -> ExtensionManager:
+def _manager() -> ExtensionManager[Any]:
     # Import failures are recorded, not raised: one broken plugin must not hide the others.
     failures: dict[str, BaseException] = {}
 
     def on_failure(_mgr: Any, ep: Any, err: BaseException) -> None:
         failures[ep.name] = err
 
-    mgr = ExtensionManager(
+    mgr: ExtensionManager[Any] = ExtensionManager(
         namespace=NAMESPACE,
         invoke_on_load=False,
         on_load_failure_callback=on_failure,

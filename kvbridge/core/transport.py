@@ -82,7 +82,9 @@ class TransportLimits:
     """
 
     max_batch: int | None = None
-    memory_kinds: frozenset[MemoryKind] = field(default_factory=lambda: frozenset({MemoryKind.DRAM}))
+    memory_kinds: frozenset[MemoryKind] = field(
+        default_factory=lambda: frozenset({MemoryKind.DRAM})
+    )
 
 
 @dataclass
@@ -151,13 +153,16 @@ class Transport(abc.ABC):
         remote: AddrArray,
         lengths: AddrArray,
     ) -> TransferHandle:
-        """Start moving ``lengths[i]`` bytes between ``local[i]`` and ``remote[i]``; never blocks long."""
+        """Start moving ``lengths[i]`` bytes between ``local[i]`` and ``remote[i]``.
+
+        Never blocks for long: completion is observed with ``poll`` or ``wait``.
+        """
 
     @abc.abstractmethod
     def poll(self, handle: TransferHandle) -> TransferStatus:
         """State of a batch; a batch past its deadline is released and reported ``FAILED``."""
 
-    def release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
+    def release(self, handle: TransferHandle) -> None:
         """Free what the engine holds for a finished or abandoned batch."""
 
     @abc.abstractmethod
@@ -169,7 +174,9 @@ class Transport(abc.ABC):
 
         The wait is bounded by the handle's deadline and by ``timeout`` when given.
         """
-        limit = handle.deadline if timeout is None else min(handle.deadline, time.monotonic() + timeout)
+        limit = (
+            handle.deadline if timeout is None else min(handle.deadline, time.monotonic() + timeout)
+        )
         delay = 1e-5
         while True:
             status = self.poll(handle)

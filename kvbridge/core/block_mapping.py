@@ -1,0 +1,82 @@
+"""Block ids: validation, STATE placeholders, sliding-window clipping, alignment, kernels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.core.errors import BlockIdError
+from kvbridge.core.groups import CacheGroup, GroupKind
+
+IdArray = npt.NDArray[np.int64]
+
+
+def as_block_ids(ids: object, group: CacheGroup, side: str) -> IdArray:
+    """Block ids as an int64 array, checked against the group's pool and for repeats."""
+    try:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise BlockIdError(
+            f"{side} block ids of group {group.index} are not integers: {err}"
+        ) from None
+    if arr.size:
+        bad = np.flatnonzero((arr < 0) | (arr >= group.num_blocks))
+        if bad.size:
+            raise BlockIdError(
+                f"{side} block id {int(arr[bad[0]])} of group {group.index} is outside "
+                f"[0, {group.num_blocks}): the id does not belong to this layout's block pool"
+            )
+    return arr
+
+
+def drop_null_blocks(ids: IdArray, null_block_id: int) -> IdArray:
+    """Remove the placeholder ids a STATE group holds for slots it does not own."""
+    kept: IdArray = ids[ids != null_block_id]
+    return kept
+
+
+def sliding_window_blocks(window: int, block_size: int) -> int:
+    """Blocks a sliding-window group keeps: the window may straddle one extra block."""
+    return math.ceil(window / block_size) + 1
+
+
+def clip_sliding_window(ids: IdArray, window: int, block_size: int) -> IdArray:
+    """Keep only the last blocks a sliding-window layer can still attend to."""
+    keep = sliding_window_blocks(window, block_size)
+    return ids[-keep:] if ids.size > keep else ids
+
+
+def prepare_block_ids(group: CacheGroup, ids: object, side: str) -> IdArray:
+    """Validate one side's logical block ids and apply the group kind's rule."""
+    arr = as_block_ids(ids, group, side)
+    if group.kind is GroupKind.STATE:
+        arr = drop_null_blocks(arr, group.null_block_id)
+    elif group.kind is GroupKind.SLIDING_WINDOW:
+        arr = clip_sliding_window(arr, group.sliding_window or 0, group.block_size)
+    if np.unique(arr).size != arr.size:
+        raise BlockIdError(f"{side} block ids of group {group.index} repeat an id: {arr.tolist()}")
+    return arr
+
+
+def align_block_ids(src: IdArray, dst: IdArray, group_index: int) -> IdArray:
+    """The source blocks that pair with ``dst``: the source's tail when it holds more.
+
+    The destination may already hold a prefix (a local cache hit), so it asks only for the last
+    blocks; a source with fewer blocks than asked cannot serve the request.
+    """
+    if src.size < dst.size:
+        raise BlockIdError(
+            f"group {group_index}: the source has {src.size} blocks but the destination asks "
+            f"for {dst.size}; the prefill side did not compute enough tokens for this request"
+        )
+    return src[src.size - dst.size :]
+
+
+def logical_to_kernel(ids: IdArray, ratio: int) -> IdArray:
+    """Kernel block ids of logical blocks: ``b`` becomes ``b*ratio ... b*ratio+ratio-1``."""
+    if ratio == 1:
+        return ids
+    expanded: IdArray = ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]
+    return expanded.reshape(-1)

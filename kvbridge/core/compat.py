@@ -1,0 +1,63 @@
+"""Compatibility of two layouts: can blocks move between them byte for byte?"""
+
+from __future__ import annotations
+
+from kvbridge.core.errors import LayoutMismatchError
+from kvbridge.core.groups import GroupKind
+from kvbridge.core.layout import Layout, Region
+
+
+def _bytes_per_block(region: Region, ratio: int) -> int:
+    return region.length * ratio
+
+
+def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")) -> list[str]:
+    """Every field that differs between two layouts in a way that forbids a transfer.
+
+    Kernel block sizes may differ (each side maps logical blocks with its own ratio); region
+    order, addresses and strides may differ. What must agree is what a token's bytes mean.
+    """
+    na, nb = names
+    diffs: list[str] = []
+
+    def differ(what: str, va: object, vb: object) -> None:
+        if va != vb:
+            diffs.append(f"{what}: {na}={va!r} {nb}={vb!r}")
+
+    differ("dtype", a.spec.dtype, b.spec.dtype)
+    differ("tp_size", a.spec.tp_size, b.spec.tp_size)
+    differ("group indices", sorted(a.groups), sorted(b.groups))
+    for index in sorted(set(a.groups) & set(b.groups)):
+        ga, gb = a.groups[index], b.groups[index]
+        differ(f"group {index} kind", ga.kind.value, gb.kind.value)
+        differ(f"group {index} block_size", ga.block_size, gb.block_size)
+        if GroupKind.SLIDING_WINDOW in (ga.kind, gb.kind):
+            differ(f"group {index} sliding_window", ga.sliding_window, gb.sliding_window)
+        ra = {r.key: r for r in a.group_regions[index].regions}
+        rb = {r.key: r for r in b.group_regions[index].regions}
+        only_a, only_b = sorted(set(ra) - set(rb)), sorted(set(rb) - set(ra))
+        if only_a or only_b:
+            diffs.append(
+                f"group {index} regions: only on {na}: {[_fmt(k) for k in only_a]}, "
+                f"only on {nb}: {[_fmt(k) for k in only_b]}"
+            )
+        for key in sorted(set(ra) & set(rb)):
+            differ(
+                f"group {index} region {_fmt(key)} bytes per block",
+                _bytes_per_block(ra[key], ga.ratio),
+                _bytes_per_block(rb[key], gb.ratio),
+            )
+    return diffs
+
+
+def _fmt(key: tuple[str, str, object]) -> str:
+    layer, tensor, part = key
+    part_name = getattr(part, "value", part)
+    return f"{layer}{'/' + tensor if tensor else ''}:{part_name}"
+
+
+def check_compatible(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")) -> None:
+    """Raise ``LayoutMismatchError`` naming every differing field, or return silently."""
+    diffs = layout_differences(a, b, names)
+    if diffs:
+        raise LayoutMismatchError(diffs)
