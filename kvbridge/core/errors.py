@@ -17,9 +17,9 @@ class LayoutMismatchError(LayoutError):
     def __init__(self, differences: list[str]) -> None:
         self.differences = list(differences)
         super().__init__(
-            "layouts are incompatible:\n  - "
-            + "\n  - ".join(self.differences)
-            + "\nboth engines must serve the same model with the same cache configuration"
+            "layouts are incompatible: "
+            + "; ".join(self.differences)
+            + " (both engines must serve the same model with the same cache configuration)"
         )
 
 

@@ -35,6 +35,10 @@ def _manager() -> ExtensionManager[Any]:
     def on_failure(_mgr: Any, ep: Any, err: BaseException) -> None:
         failures[ep.name] = err
 
+    # stevedore keeps entry points per namespace for the life of the process; drop them so a
+    # transport installed (or removed) since the last look is seen. Its on-disk cache, keyed by
+    # sys.path and file times, still makes the lookup cheap.
+    ExtensionManager.ENTRY_POINT_CACHE.pop(NAMESPACE, None)
     mgr: ExtensionManager[Any] = ExtensionManager(
         namespace=NAMESPACE,
         invoke_on_load=False,

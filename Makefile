@@ -1,0 +1,52 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing and installs what is missing, then runs.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvbridge-installed
+EXTRAS ?= dev,mooncake
+
+.PHONY: demo test lint typecheck unit setup system-deps examples clean
+
+setup: $(STAMP)
+
+# The Mooncake engine links libibverbs.so.1 even for TCP; it is a Debian package.
+system-deps:
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libibverbs1 (needed by the Mooncake transfer engine)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	  else \
+	    echo "libibverbs.so.1 is missing; run: sudo apt-get update && sudo apt-get install -y libibverbs1" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+
+$(STAMP): pyproject.toml | system-deps
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvbridge plan examples/qwen3.5-hybrid/prefill.json examples/qwen3.5-hybrid/decode.json examples/qwen3.5-hybrid/blocks.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvbridge tests benchmarks
+	$(BIN)/ruff format --check kvbridge tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy kvbridge
+
+unit: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+# Regenerate the shipped example layouts (a test checks they match the generator).
+examples: $(STAMP)
+	$(BIN)/python -c "from pathlib import Path; from kvbridge.example_layouts import write_examples; write_examples(Path('examples'))"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,0 +1,169 @@
+"""The ``kvbridge`` command line: list transports, show what a request would move."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from kvbridge.core.errors import KvbridgeError
+from kvbridge.core.layout import Layout
+from kvbridge.core.planning import TransferPlan, plan_transfers
+from kvbridge.core.registry import available_transports
+from kvbridge.core.transport import TransferOp
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _read_json(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise CliError(f"cannot read {what} {str(path)!r}: {err.strerror}") from None
+
+
+def _read_layout(path: Path, what: str) -> Layout:
+    try:
+        return Layout.from_json(_read_json(path, what))
+    except KvbridgeError as err:
+        raise CliError(f"{what} {str(path)!r}: {err}") from None
+
+
+class RequestBlocks(msgspec.Struct, forbid_unknown_fields=True):
+    """The block-id file of ``kvbridge plan``: logical ids per group index, for each side."""
+
+    prefill: dict[int, list[int]]
+    decode: dict[int, list[int]]
+    prompt_tokens: int | None = None
+
+
+def _read_blocks(path: Path) -> RequestBlocks:
+    try:
+        return msgspec.json.decode(_read_json(path, "block-id file"), type=RequestBlocks)
+    except (msgspec.ValidationError, msgspec.DecodeError) as err:
+        raise CliError(f"block-id file {str(path)!r}: {err}") from None
+
+
+def cmd_transports(args: argparse.Namespace, console: Console) -> int:
+    infos = available_transports()
+    if args.json:
+        print(json.dumps([info.__dict__ for info in infos], indent=1))
+        return 0
+    table = Table(title="kvbridge transports (entry-point group kvbridge.transports)")
+    for column in ("name", "package", "usable", "why not"):
+        table.add_column(column)
+    for info in infos:
+        table.add_row(info.name, info.package, "yes" if info.usable else "no", info.reason)
+    console.print(table if infos else "no transport is installed")
+    return 0
+
+
+def _plan_table(plan: TransferPlan, title: str) -> Table:
+    table = Table(title=title)
+    for column in ("group", "kind", "regions", "blocks", "descriptors", "bytes"):
+        table.add_column(column, justify="right")
+    for g in plan.groups:
+        table.add_row(
+            str(g.group_index), g.kind.value, str(g.regions), str(g.blocks),
+            str(g.descriptors), f"{g.nbytes:,}",
+        )  # fmt: skip
+    table.add_section()
+    table.add_row(
+        "all", "", str(sum(g.regions for g in plan.groups)), "", str(plan.unmerged),
+        f"{plan.nbytes:,}",
+    )  # fmt: skip
+    return table
+
+
+def _plan_summary(plan: TransferPlan, elapsed: float) -> str:
+    return (
+        f"descriptors: {plan.unmerged} before merging, {plan.count} after; "
+        f"{plan.nbytes:,} bytes; planned in {elapsed * 1e3:.2f} ms"
+    )
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    prefill = _read_layout(args.prefill, "prefill layout")
+    decode = _read_layout(args.decode, "decode layout")
+    blocks = _read_blocks(args.blocks)
+    op = TransferOp(args.op)
+    try:
+        plan = plan_transfers(
+            prefill, decode, blocks.prefill, blocks.decode, merge=not args.no_merge
+        )
+    except KvbridgeError as err:
+        raise CliError(str(err)) from None
+    # Time a second, warm call: the first pays for numpy's lazy imports.
+    start = time.perf_counter()
+    plan_transfers(prefill, decode, blocks.prefill, blocks.decode, merge=not args.no_merge)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        local, remote, lengths = plan.local_remote(op)
+        doc: dict[str, Any] = {
+            "op": op.value,
+            "submitter": "decode" if op is TransferOp.READ else "prefill",
+            "descriptors_before_merge": plan.unmerged,
+            "descriptors": plan.count,
+            "bytes": plan.nbytes,
+            "groups": [{**g.__dict__, "kind": g.kind.value} for g in plan.groups],
+            "local": local.tolist(),
+            "remote": remote.tolist(),
+            "length": lengths.tolist(),
+        }
+        print(json.dumps(doc))
+        return 0
+    side = "decode reads from prefill" if op is TransferOp.READ else "prefill writes to decode"
+    console.print(_plan_table(plan, f"transfer plan ({side})"))
+    console.print(_plan_summary(plan, elapsed), soft_wrap=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge", description="KV-cache transfer for prefill/decode disaggregation."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("transports", help="list installed transports and whether they are usable")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_transports)
+
+    p = sub.add_parser("plan", help="show what a request would move between two layouts")
+    p.add_argument("prefill", type=Path, help="prefill (source) layout JSON")
+    p.add_argument("decode", type=Path, help="decode (destination) layout JSON")
+    p.add_argument("blocks", type=Path, help="block ids JSON: {prefill: {group: [ids]}, decode: …}")
+    p.add_argument(
+        "--op", choices=[o.value for o in TransferOp], default="read",
+        help="read: decode pulls (default); write: prefill pushes",
+    )  # fmt: skip
+    p.add_argument("--no-merge", action="store_true", help="do not merge adjacent descriptors")
+    p.add_argument("--json", action="store_true", help="print the descriptors as JSON")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        return int(args.func(args, console))
+    except CliError as err:
+        print(f"kvbridge: error: {err}", file=sys.stderr)
+        return 2
+    except KvbridgeError as err:
+        print(f"kvbridge: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""A slow, block-by-block, token-by-token reference of what a transfer must copy.
+
+Written from the definitions in DESIGN.md and from the ``CacheTensor`` fields directly, without
+the core's region expansion, block mapping or planner, so the two can check each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvbridge.core.groups import CacheGroup, GroupKind
+from kvbridge.core.layout import CacheTensor, KVLayout, Layout
+
+
+def _kept_ids(group: CacheGroup, ids: list[int]) -> list[int]:
+    if group.kind is GroupKind.STATE:
+        return [i for i in ids if i != group.null_block_id]
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        keep = math.ceil((group.sliding_window or 0) / group.block_size) + 1
+        return ids[-keep:]
+    return list(ids)
+
+
+def _parts(tensor: CacheTensor, group: CacheGroup) -> list[str]:
+    if group.kind in (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW):
+        return ["K", "V"]
+    return ["WHOLE"]
+
+
+def _token_addr(tensor: CacheTensor, group: CacheGroup, part: str, block: int, token: int) -> int:
+    ratio = group.block_size // group.kernel_size
+    kernel_stride = tensor.block_stride // ratio
+    bytes_per_token = tensor.block_bytes // group.block_size
+    kernel = block * ratio + token // group.kernel_size
+    within = (token % group.kernel_size) * bytes_per_token
+    if part == "V":
+        if tensor.kv_layout is KVLayout.K_FIRST:
+            assert tensor.v_addr is not None
+            return tensor.v_addr + kernel * kernel_stride + within
+        v_offset = tensor.v_offset if tensor.v_offset is not None else tensor.block_bytes
+        return tensor.addr + kernel * kernel_stride + v_offset // ratio + within
+    return tensor.addr + kernel * kernel_stride + within
+
+
+def reference_descriptors(
+    src: Layout,
+    dst: Layout,
+    src_ids: dict[int, list[int]],
+    dst_ids: dict[int, list[int]],
+) -> list[tuple[int, int, int]]:
+    """``(src, dst, length)`` per token (per slot for STATE) of everything that must move."""
+    out: list[tuple[int, int, int]] = []
+    src_tensors = {(t.layer_name, t.tensor): t for t in src.spec.tensors}
+    for index in dst_ids:
+        sg, dg = src.groups[index], dst.groups[index]
+        d_blocks = _kept_ids(dg, list(dst_ids[index]))
+        s_blocks = _kept_ids(sg, list(src_ids[index]))
+        assert len(s_blocks) >= len(d_blocks)
+        s_blocks = s_blocks[len(s_blocks) - len(d_blocks) :]
+        for dt in dst.spec.tensors:
+            if dt.group_index != index:
+                continue
+            st = src_tensors[(dt.layer_name, dt.tensor)]
+            for part in _parts(dt, dg):
+                for sb, db in zip(s_blocks, d_blocks, strict=True):
+                    if dg.kind is GroupKind.STATE:
+                        s_addr = st.addr + sb * st.block_stride
+                        d_addr = dt.addr + db * dt.block_stride
+                        out.append((s_addr, d_addr, dt.block_bytes))
+                        continue
+                    n = dt.block_bytes // dg.block_size
+                    for token in range(dg.block_size):
+                        s_addr = _token_addr(st, sg, part, sb, token)
+                        d_addr = _token_addr(dt, dg, part, db, token)
+                        out.append((s_addr, d_addr, n))
+    return out
+
+
+def reference_copy(
+    descriptors: list[tuple[int, int, int]], src_memory: np.ndarray, dst_memory: np.ndarray
+) -> None:
+    for s_addr, d_addr, n in descriptors:
+        dst_memory[d_addr : d_addr + n] = src_memory[s_addr : s_addr + n]
+
+
+def minimum_descriptor_count(descriptors: list[tuple[int, int, int]]) -> int:
+    """Maximal runs adjacent on both sides: descriptors that no other descriptor continues into."""
+    ends = {(s + n, d + n) for s, d, n in descriptors}
+    return sum((s, d) not in ends for s, d, _ in descriptors)

@@ -1,0 +1,138 @@
+"""Property tests: random layouts and block ids against the slow reference copy."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbridge.core import CacheGroup, GroupKind, KVLayout, Layout, LayoutSpec, plan_transfers
+
+from .layouts import Arena, apply_plan, attention_tensor, mla_tensor, state_tensors
+from .reference import minimum_descriptor_count, reference_copy, reference_descriptors
+
+KINDS = list(GroupKind)
+
+
+@st.composite
+def model(draw):
+    """A model: groups with kinds, block sizes, layers and per-token/state sizes (no addresses)."""
+    groups = []
+    for index in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(KINDS))
+        block = draw(st.sampled_from([1, 2, 4, 8]))
+        groups.append(
+            {
+                "index": index,
+                "kind": kind,
+                "block": block,
+                "window": draw(st.integers(1, 3 * block)),
+                "layers": draw(st.integers(1, 3)),
+                "bytes_per_token": draw(st.integers(1, 6)),
+                "conv": draw(st.integers(1, 40)),
+                "ssm": draw(st.integers(1, 40)),
+            }
+        )
+    return groups
+
+
+@st.composite
+def side(draw, groups):
+    """One engine's layout choices for the model: pool sizes, kernel sizes, K/V layouts, order."""
+    return {
+        "num_blocks": draw(st.integers(4, 12)),
+        "kernels": [
+            draw(st.sampled_from([d for d in (1, 2, 4, 8) if g["block"] % d == 0])) for g in groups
+        ],
+        "kv_layouts": [draw(st.sampled_from(list(KVLayout))) for _ in groups],
+        "shuffle": draw(st.randoms(use_true_random=False)),
+        "pad": draw(st.integers(0, 16)),
+    }
+
+
+def build(groups, choice, arena: Arena) -> Layout:
+    cache_groups = [
+        CacheGroup(
+            g["index"], g["kind"], g["block"], choice["num_blocks"],
+            kernel_block_size=k if g["kind"].paged else None,
+            sliding_window=g["window"] if g["kind"] is GroupKind.SLIDING_WINDOW else None,
+        )
+        for g, k in zip(groups, choice["kernels"], strict=True)
+    ]  # fmt: skip
+    tensors = []
+    for g, cg, kv in zip(groups, cache_groups, choice["kv_layouts"], strict=True):
+        for layer in range(g["layers"]):
+            name = f"g{g['index']}.l{layer}"
+            if cg.kind is GroupKind.STATE:
+                tensors += state_tensors(arena, name, cg, g["conv"], g["ssm"], choice["pad"])
+            elif cg.kind is GroupKind.MLA:
+                tensors.append(mla_tensor(arena, name, cg, g["bytes_per_token"]))
+            else:
+                tensors.append(attention_tensor(arena, name, cg, g["bytes_per_token"], kv))
+            arena.allocate(choice["pad"])
+    choice["shuffle"].shuffle(tensors)
+    return Layout(LayoutSpec(cache_groups, tensors))
+
+
+@st.composite
+def request(draw, groups, p_blocks, d_blocks):
+    """Block ids per group for both sides: D needs ``n``, P holds at least ``n``."""
+    p_ids, d_ids = {}, {}
+    for g in groups:
+        if not draw(st.booleans()) and len(groups) > 1:
+            continue
+        n = draw(st.integers(0, min(p_blocks, d_blocks) - 1))
+        extra = draw(st.integers(0, p_blocks - 1 - n))
+        p_real = draw(st.permutations(range(1, p_blocks)))[: n + extra]
+        d_real = draw(st.permutations(range(1, d_blocks)))[:n]
+        if g["kind"] is GroupKind.STATE:
+            # placeholders (id 0) anywhere, real slots last as vLLM holds them
+            p_ids[g["index"]] = [0] * draw(st.integers(0, 3)) + p_real
+            d_ids[g["index"]] = [0] * draw(st.integers(0, 3)) + d_real
+        elif g["kind"] is GroupKind.SLIDING_WINDOW:
+            # D holds the full block list; both sides clip to the window
+            p_ids[g["index"]] = p_real
+            d_ids[g["index"]] = d_real
+        else:
+            p_ids[g["index"]] = p_real
+            d_ids[g["index"]] = d_real
+    return p_ids, d_ids
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_plan_matches_reference_stays_in_registered_memory_and_is_minimal(data):
+    groups = data.draw(model())
+    p_choice, d_choice = data.draw(side(groups)), data.draw(side(groups))
+    pa, da = Arena(), Arena(next=BASE_D)
+    p, d = build(groups, p_choice, pa), build(groups, d_choice, da)
+    p_ids, d_ids = data.draw(request(groups, p_choice["num_blocks"], d_choice["num_blocks"]))
+    # sliding-window groups: P must hold at least what D keeps after clipping
+    for index in list(d_ids):
+        g = p.groups[index]
+        if g.kind is GroupKind.SLIDING_WINDOW and len(p_ids[index]) < len(d_ids[index]):
+            d_ids[index] = d_ids[index][: len(p_ids[index])]
+
+    plan = plan_transfers(p, d, p_ids, d_ids)
+
+    # every descriptor lies inside registered memory, on both sides
+    for addrs, layout in ((plan.src, p), (plan.dst, d)):
+        for a, n in zip(addrs.tolist(), plan.lengths.tolist(), strict=True):
+            assert any(r.addr <= a and a + n <= r.end for r in layout.registration)
+    # destinations never overlap
+    order = np.argsort(plan.dst)
+    ends = plan.dst[order] + plan.lengths[order]
+    assert bool(np.all(ends[:-1] <= plan.dst[order][1:]))
+    # applying the plan gives exactly what the block-by-block reference gives
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    src, dst = pa.materialise(rng), da.materialise(rng)
+    expected = dst.copy()
+    reference = reference_descriptors(p, d, p_ids, d_ids)
+    reference_copy(reference, src, expected)
+    apply_plan(src, dst, plan.src, plan.dst, plan.lengths)
+    np.testing.assert_array_equal(dst, expected)
+    # and uses the minimum number of descriptors
+    assert plan.count == minimum_descriptor_count(reference)
+
+
+BASE_D = 1 << 21
