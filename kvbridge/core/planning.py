@@ -74,33 +74,60 @@ def _unit_tokens(src: CacheGroup, dst: CacheGroup) -> int:
     return math.gcd(src.kernel_size, dst.kernel_size) if src.kind.paged else 1
 
 
+@dataclass(frozen=True)
+class _Axes:
+    """Shapes that broadcast per-region, per-block and per-unit values into one address array.
+
+    With ``parts_inner`` the order is ``[tensor, block, unit, part]``: K|V halves of a kernel
+    block and consecutive kernel blocks come out next to each other (blocks-first layouts).
+    Otherwise it is ``[tensor, part, block, unit]``: consecutive blocks of one part come out next
+    to each other (K-first layouts). Either way the common cases merge in one linear pass.
+    """
+
+    parts: int
+    parts_inner: bool
+
+    def region(self, values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        shape = (-1, 1, 1, self.parts) if self.parts_inner else (-1, self.parts, 1, 1)
+        return values.reshape(shape)
+
+    def block(self, values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        return values.reshape((1, -1, 1, 1) if self.parts_inner else (1, 1, -1, 1))
+
+    def unit(self, values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        return values.reshape((1, 1, -1, 1) if self.parts_inner else (1, 1, 1, -1))
+
+    def blocks_by_units(self, table: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """A ``[block, unit]`` table placed on its axes."""
+        blocks, units = table.shape
+        return table.reshape((1, blocks, units, 1) if self.parts_inner else (1, 1, blocks, units))
+
+
 def _side_addresses(
     group: CacheGroup,
     arrays: dict[str, npt.NDArray[np.int64]],
     ids: npt.NDArray[np.int64],
     unit: int,
-    parts: int,
+    axes: _Axes,
 ) -> npt.NDArray[np.int64]:
-    """Addresses ``[tensor, block, unit, part]`` of every unit of every block on one side.
-
-    Parts are innermost so that K|V halves of a kernel block and consecutive kernel blocks come
-    out next to each other, and the common cases merge in one linear pass.
-    """
-
-    def per_region(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        shaped: npt.NDArray[np.int64] = values.reshape(-1, 1, 1, parts)
-        return shaped
-
-    base, stride = per_region(arrays["base"]), per_region(arrays["stride"])
+    """Addresses of every unit of every block of every region on one side."""
+    base, stride = axes.region(arrays["base"]), axes.region(arrays["stride"])
     if not group.kind.paged:
-        slots: npt.NDArray[np.int64] = base + ids[None, :, None, None] * stride
+        slots: npt.NDArray[np.int64] = base + axes.block(ids) * stride
         return slots
     kernel = group.kernel_size
     tokens = np.arange(0, group.block_size, unit, dtype=np.int64)
-    kernel_ids = ids[:, None] * group.ratio + (tokens // kernel)[None, :]
-    within = (tokens % kernel)[None, None, :, None] * per_region(arrays["length"] // kernel)
-    addrs: npt.NDArray[np.int64] = base + kernel_ids[None, :, :, None] * stride + within
+    kernel_ids = axes.blocks_by_units(ids[:, None] * group.ratio + (tokens // kernel)[None, :])
+    within = axes.unit(tokens % kernel) * axes.region(arrays["length"] // kernel)
+    addrs: npt.NDArray[np.int64] = base + kernel_ids * stride + within
     return addrs
+
+
+def _kv_in_one_block(arrays: dict[str, npt.NDArray[np.int64]]) -> bool:
+    """Whether K and V of each attention tensor share kernel blocks (a blocks-first layout)."""
+    pairs = arrays["base"].reshape(-1, 2)
+    lengths = arrays["length"].reshape(-1, 2)
+    return bool(np.all(pairs[:, 1] == pairs[:, 0] + lengths[:, 0]))
 
 
 def _plan_group(
@@ -117,13 +144,15 @@ def _plan_group(
     unit = _unit_tokens(src.group, dst.group)
     # Regions come as [K, V] per attention tensor, one region per tensor otherwise.
     parts = 2 if src.group.kind in (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW) else 1
-    s = _side_addresses(src.group, src_arrays, src_ids, unit, parts)
-    d = _side_addresses(dst.group, dst_arrays, dst_ids, unit, parts)
+    inner = parts == 2 and _kv_in_one_block(src_arrays) and _kv_in_one_block(dst_arrays)
+    axes = _Axes(parts, inner)
+    s = _side_addresses(src.group, src_arrays, src_ids, unit, axes)
+    d = _side_addresses(dst.group, dst_arrays, dst_ids, unit, axes)
     if src.group.kind.paged:
         unit_len = dst_arrays["length"] // dst.group.kernel_size * unit
     else:
         unit_len = dst_arrays["length"]
-    lengths = np.broadcast_to(unit_len.reshape(-1, 1, 1, parts), d.shape)
+    lengths = np.broadcast_to(axes.region(unit_len), d.shape)
     return s.reshape(-1), d.reshape(-1), lengths.reshape(-1)
 
 

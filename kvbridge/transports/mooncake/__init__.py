@@ -1,0 +1,5 @@
+"""Mooncake Transfer Engine transport (entry point ``mooncake``)."""
+
+from kvbridge.transports.mooncake.transport import MooncakeHandle, MooncakeTransport
+
+__all__ = ["MooncakeHandle", "MooncakeTransport"]
