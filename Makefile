@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml | system-deps
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	@touch $(STAMP)
 
+# The main job on the embedded default: a real prefill -> decode transfer over loopback.
 demo: $(STAMP)
-	$(BIN)/kvbridge plan examples/qwen3.5-hybrid/prefill.json examples/qwen3.5-hybrid/decode.json examples/qwen3.5-hybrid/blocks.json
+	$(BIN)/kvbridge demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvbridge tests benchmarks

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,72 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _demo_tables(results: list[Any], config: Any) -> list[Table]:
+    first = results[0]
+    groups = Table(
+        title=f"request: {config.shape} KV cache, prompt {config.prompt_tokens:,} tokens"
+    )
+    for column in ("group", "kind", "regions", "blocks", "descriptors", "bytes"):
+        groups.add_column(column, justify="right")
+    for g in first.groups:
+        groups.add_row(
+            str(g["group_index"]), g["kind"], str(g["regions"]), str(g["blocks"]),
+            f"{g['descriptors']:,}", f"{g['nbytes']:,}",
+        )  # fmt: skip
+    transfer = Table(title="decode reads from prefill: two processes on 127.0.0.1")
+    transfer.add_column("")
+    for r in results:
+        transfer.add_column(r.transport, justify="right")
+    rows: list[tuple[str, Callable[[Any], str]]] = [
+        ("descriptors before merging", lambda r: f"{r.descriptors_before:,}"),
+        ("descriptors after merging", lambda r: f"{r.descriptors_after:,}"),
+        ("bytes", lambda r: f"{r.nbytes:,}"),
+        ("plan (ms)", lambda r: f"{r.plan_seconds * 1e3:.2f}"),
+        ("transfer (s)", lambda r: f"{r.transfer_seconds:.3f}"),
+        ("throughput (GB/s)", lambda r: f"{r.gbps:.2f}"),
+        ("decode bytes verified", lambda r: f"{r.verified_bytes:,}"),
+    ]
+    for label, cell in rows:
+        transfer.add_row(label, *(cell(r) for r in results))
+    return [groups, transfer]
+
+
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from kvbridge.demo import DemoConfig, DemoError, run_demo
+
+    if args.transport == "all":
+        names = [info.name for info in available_transports() if info.usable]
+        if not names:
+            raise CliError("no usable transport is installed; see `kvbridge transports`")
+    else:
+        names = [args.transport]
+    results = []
+    log_dir = tempfile.mkdtemp(prefix="kvbridge-demo-")
+    for name in names:
+        config = DemoConfig(
+            transport=name, shape=args.shape, num_layers=args.layers, num_blocks=args.num_blocks,
+            prompt_tokens=args.prompt_tokens, timeout=args.timeout,
+            transport_options={"timeout": args.timeout}, log_dir=os.path.join(log_dir, name),
+        )  # fmt: skip
+        os.makedirs(config.log_dir or log_dir, exist_ok=True)
+        try:
+            results.append(run_demo(config, progress=console.is_terminal))
+        except DemoError as err:
+            raise CliError(f"{name}: {err} (engine logs in {config.log_dir})") from None
+    if args.json:
+        print(json.dumps([{**r.__dict__, "gbps": r.gbps} for r in results]))
+    else:
+        for table in _demo_tables(results, config):
+            console.print(table)
+        console.print(
+            f"remote prefill tokens: {results[0].remote_prefill_tokens:,} "
+            f"(N-1 for a model with recurrent state); every byte of the decode cache checked; "
+            f"engine logs in {log_dir}",
+            soft_wrap=True,
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge", description="KV-cache transfer for prefill/decode disaggregation."
@@ -148,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-merge", action="store_true", help="do not merge adjacent descriptors")
     p.add_argument("--json", action="store_true", help="print the descriptors as JSON")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("demo", help="move a hybrid model's KV cache between two processes")
+    p.add_argument("--transport", default="mooncake", help="transport name, or 'all'")
+    p.add_argument("--shape", default="qwen3.5-hybrid", help="model shape (see examples/)")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--num-blocks", type=int, default=32, help="blocks per cache tensor")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 
