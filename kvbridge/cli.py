@@ -142,7 +142,8 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
             str(g["group_index"]), g["kind"], str(g["regions"]), str(g["blocks"]),
             f"{g['descriptors']:,}", f"{g['nbytes']:,}",
         )  # fmt: skip
-    transfer = Table(title="decode reads from prefill: two processes on 127.0.0.1")
+    how = "decode reads from prefill" if first.mode == "pull" else "prefill writes to decode"
+    transfer = Table(title=f"{how}: two processes on 127.0.0.1, control plane over zmq")
     transfer.add_column("")
     for r in results:
         transfer.add_column(r.transport, justify="right")
@@ -150,10 +151,12 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
         ("descriptors before merging", lambda r: f"{r.descriptors_before:,}"),
         ("descriptors after merging", lambda r: f"{r.descriptors_after:,}"),
         ("bytes", lambda r: f"{r.nbytes:,}"),
+        ("handshake (ms)", lambda r: f"{r.handshake_seconds * 1e3:.1f}"),
         ("plan (ms)", lambda r: f"{r.plan_seconds * 1e3:.2f}"),
         ("transfer (s)", lambda r: f"{r.transfer_seconds:.3f}"),
         ("throughput (GB/s)", lambda r: f"{r.gbps:.2f}"),
         ("decode bytes verified", lambda r: f"{r.verified_bytes:,}"),
+        ("prefill blocks", lambda r: r.prefill_outcome),
     ]
     for label, cell in rows:
         transfer.add_row(label, *(cell(r) for r in results))
@@ -161,6 +164,7 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from kvbridge.core.control.plane import Mode
     from kvbridge.demo import DemoConfig, DemoError, run_demo
 
     if args.transport == "all":
@@ -173,9 +177,10 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     log_dir = tempfile.mkdtemp(prefix="kvbridge-demo-")
     for name in names:
         config = DemoConfig(
-            transport=name, shape=args.shape, num_layers=args.layers, num_blocks=args.num_blocks,
-            prompt_tokens=args.prompt_tokens, timeout=args.timeout,
+            transport=name, mode=Mode(args.mode), shape=args.shape, num_layers=args.layers,
+            num_blocks=args.num_blocks, prompt_tokens=args.prompt_tokens, timeout=args.timeout,
             transport_options={"timeout": args.timeout}, log_dir=os.path.join(log_dir, name),
+            secret=args.secret,
         )  # fmt: skip
         os.makedirs(config.log_dir or log_dir, exist_ok=True)
         try:
@@ -223,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=32, help="blocks per cache tensor")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument(
+        "--mode",
+        choices=["pull", "push"],
+        default="pull",
+        help="pull: decode reads (default); push: prefill writes",
+    )
+    p.add_argument("--secret", default=None, help="shared secret both engines authenticate with")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_demo)

@@ -1,34 +1,39 @@
 """``kvbridge demo``: a real prefill -> decode KV transfer between two processes on loopback.
 
 Each process holds a synthetic KV cache laid out like a Qwen3.5-style hybrid model (full
-attention + GDN groups sharing tensors, real bytes per block). The decode process plans the
-request with the core planner, reads it through the chosen transport and checks every byte of
-its cache against what the prefill cache held (and that nothing else changed).
+attention + GDN groups sharing tensors, real bytes per block) and runs a ``ControlPlane``. The
+prefill process publishes a request; its transfer parameters reach the decode process the way a
+proxy would pass them; decode pulls (or asks prefill to push) through the chosen transport and
+checks every byte of its cache against what the prefill cache held (and that nothing else
+changed).
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from rich.console import Console
 
 from kvbridge.core.boundary import remote_prefill_token_count
+from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.registry import load_transport
-from kvbridge.core.transport import TransferOp, Transport
 from kvbridge.example_layouts import request_block_ids
 from kvbridge.model_shapes import SHAPES, layout_spec
 
 PAGE = 4096
+REQUEST_ID = "demo-request-0"
 
 
 @dataclass
@@ -37,13 +42,14 @@ class DemoConfig:
 
     transport: str = "mooncake"
     transport_options: dict[str, Any] = field(default_factory=dict)
+    mode: Mode = Mode.PULL
     shape: str = "qwen3.5-hybrid"
     num_layers: int | None = None
     num_blocks: int = 32
     prompt_tokens: int = 8192
     seed: int = 0
     timeout: float = 60.0
-    chunks: int = 16
+    secret: str | None = None
     #: where each process's stderr (the engine's log) goes; ``None`` keeps it on the terminal
     log_dir: str | None = None
 
@@ -53,15 +59,18 @@ class DemoResult:
     """What the decode process reports back."""
 
     transport: str
+    mode: str
     groups: list[dict[str, Any]]
     regions: int
     descriptors_before: int
     descriptors_after: int
     nbytes: int
+    handshake_seconds: float
     plan_seconds: float
     transfer_seconds: float
     verified_bytes: int
     remote_prefill_tokens: int
+    prefill_outcome: str
 
     @property
     def gbps(self) -> float:
@@ -91,141 +100,8 @@ class Arena:
         return [int(buf.ctypes.data) for buf in self.buffers]
 
 
-def _redirect_engine_log(config: DemoConfig, role: str) -> None:
-    """Send this process's stderr (where engines log every batch) to a file in ``log_dir``."""
-    if config.log_dir:
-        fd = os.open(os.path.join(config.log_dir, f"{role}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
-        os.dup2(fd, 2)
-        os.close(fd)
-
-
-def _build(config: DemoConfig, role_seed: int) -> tuple[Arena, Layout, dict[int, list[int]]]:
-    arena = Arena()
-    spec = layout_spec(
-        SHAPES[config.shape], config.num_blocks, arena.allocate, num_layers=config.num_layers
-    )
-    layout = Layout(spec)
-    arena.fill(role_seed)
-    ids = request_block_ids(layout, config.prompt_tokens, np.random.default_rng(role_seed))
-    return arena, layout, ids
-
-
-def _prefill_main(config: DemoConfig, conn: Connection) -> None:
-    transport: Transport | None = None
-    _redirect_engine_log(config, "prefill")
-    try:
-        arena, layout, ids = _build(config, config.seed)
-        transport = load_transport(config.transport, **config.transport_options)
-        transport.register(layout.registration)
-        conn.send(("ready", layout.to_json(), transport.metadata(), ids, arena.bases))
-        # Serve until the parent says the decode side is done (the transport moves the bytes).
-        if conn.poll(config.timeout * 4):
-            conn.recv()
-        transport.close()
-        transport = None
-        conn.send(("closed",))
-    except BaseException as err:  # report, never hang the parent
-        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
-    finally:
-        conn.close()
-        # Some engines crash in their own atexit teardown; everything is released by now.
-        os._exit(0)
-
-
-def _decode_main(config: DemoConfig, conn: Connection, progress: bool) -> None:
-    _redirect_engine_log(config, "decode")
-    try:
-        arena, layout, d_ids = _build(config, config.seed + 1)
-        original = [buf.copy() for buf in arena.buffers]
-        if not conn.poll(config.timeout):
-            raise TimeoutError("no prefill layout arrived")
-        p_json, p_meta, p_ids, p_bases = conn.recv()
-        p_layout = Layout.from_json(p_json)
-
-        plan = plan_transfers(p_layout, layout, p_ids, d_ids)
-        # Time a second, warm call: the first in a process pays for numpy's lazy set-up.
-        start = time.perf_counter()
-        plan_transfers(p_layout, layout, p_ids, d_ids)
-        plan_seconds = time.perf_counter() - start
-
-        with load_transport(config.transport, **config.transport_options) as transport:
-            transport.register(layout.registration)
-            transport.connect("prefill", p_meta)
-            local, remote, lengths = plan.local_remote(TransferOp.READ)
-            # A few chunks in flight at once: the engine still sees large batches, and the
-            # progress bar moves as each finishes.
-            bounds = np.linspace(0, plan.count, min(config.chunks, plan.count) + 1, dtype=int)
-            start = time.perf_counter()
-            handles = [
-                transport.submit(TransferOp.READ, "prefill", local[a:b], remote[a:b], lengths[a:b])
-                for a, b in itertools.pairwise(bounds)
-            ]
-            _wait_with_progress(transport, handles, plan.nbytes, progress)
-            transfer_seconds = time.perf_counter() - start
-
-        verified = _verify(config, arena, original, p_bases, plan)
-        result = DemoResult(
-            transport=config.transport,
-            groups=[{**asdict(g), "kind": g.kind.value} for g in plan.groups],
-            regions=len(layout.regions),
-            descriptors_before=plan.unmerged,
-            descriptors_after=plan.count,
-            nbytes=plan.nbytes,
-            plan_seconds=plan_seconds,
-            transfer_seconds=transfer_seconds,
-            verified_bytes=verified,
-            remote_prefill_tokens=remote_prefill_token_count(
-                config.prompt_tokens, layout.has_state
-            ),
-        )
-        conn.send(("done", asdict(result)))
-    except BaseException as err:
-        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
-    finally:
-        conn.close()
-        os._exit(0)
-
-
-def _wait_with_progress(transport: Transport, handles: list[Any], total: int, show: bool) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), disable=not show, transient=True,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("decode <- prefill", total=total)
-        for handle in handles:
-            transport.wait(handle)
-            bar.advance(task, handle.nbytes)
-
-
-def _verify(
-    config: DemoConfig,
-    arena: Arena,
-    original: list[np.ndarray],
-    p_bases: list[int],
-    plan: TransferPlan,
-) -> int:
-    """Rebuild what D's cache must hold and compare every byte of every D buffer.
-
-    P's buffers are regenerated here from the same seed (same order, same contents, other
-    addresses); ``p_bases`` are their addresses in P, which the plan's sources refer to.
-    """
-    p_copy, _, _ = _build(config, config.seed)
-    source = AddressMap(p_bases, p_copy.buffers)
-    expected = [buf.copy() for buf in original]
-    target = AddressMap([int(b.ctypes.data) for b in arena.buffers], expected)
-    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True):
-        target.view(d, n)[:] = source.view(s, n)
-    for got, want in zip(arena.buffers, expected, strict=True):
-        if not np.array_equal(got, want):
-            bad = int(np.flatnonzero(got != want)[0])
-            raise AssertionError(f"decode cache differs from what prefill held at byte {bad}")
-    return int(sum(buf.size for buf in arena.buffers))
-
-
 class AddressMap:
-    """Views into buffers by the addresses they have (or had) in some process."""
+    """Views into buffers by their addresses."""
 
     def __init__(self, bases: list[int], buffers: list[np.ndarray]) -> None:
         order = sorted(range(len(bases)), key=bases.__getitem__)
@@ -238,6 +114,127 @@ class AddressMap:
             raise ValueError(f"[{addr:#x}, +{size}) is outside every buffer")
         offset = addr - self.bases[i]
         return self.buffers[i][offset : offset + size]
+
+
+def build_engine_cache(
+    config: DemoConfig, role_seed: int
+) -> tuple[Arena, Layout, dict[int, list[int]]]:
+    """One engine's cache (filled from ``role_seed``) and the block ids its request holds."""
+    arena = Arena()
+    spec = layout_spec(
+        SHAPES[config.shape], config.num_blocks, arena.allocate, num_layers=config.num_layers
+    )
+    layout = Layout(spec)
+    arena.fill(role_seed)
+    ids = request_block_ids(layout, config.prompt_tokens, np.random.default_rng(role_seed))
+    return arena, layout, ids
+
+
+def verify_decode_cache(
+    config: DemoConfig, arena: Arena, layout: Layout, original: list[np.ndarray]
+) -> tuple[int, TransferPlan]:
+    """Rebuild what D's cache must hold and compare every byte of every D buffer.
+
+    P's cache is regenerated here from its seed (same contents, other addresses), and the
+    request is planned against that copy, so the expected bytes never come from the transport.
+    """
+    p_arena, p_layout, p_ids = build_engine_cache(config, config.seed)
+    d_ids = request_block_ids(layout, config.prompt_tokens, np.random.default_rng(config.seed + 1))
+    plan = plan_transfers(p_layout, layout, p_ids, d_ids)
+    source = AddressMap(p_arena.bases, p_arena.buffers)
+    expected = [buf.copy() for buf in original]
+    target = AddressMap(arena.bases, expected)
+    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True):
+        target.view(d, n)[:] = source.view(s, n)
+    for got, want in zip(arena.buffers, expected, strict=True):
+        if not np.array_equal(got, want):
+            bad = int(np.flatnonzero(got != want)[0])
+            raise AssertionError(f"decode cache differs from what prefill held at byte {bad}")
+    return int(sum(buf.size for buf in arena.buffers)), plan
+
+
+def _redirect_engine_log(config: DemoConfig, role: str) -> None:
+    """Send this process's stderr (where engines log every batch) to a file in ``log_dir``."""
+    if config.log_dir:
+        fd = os.open(os.path.join(config.log_dir, f"{role}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+@contextmanager
+def _control_plane(config: DemoConfig, layout: Layout) -> Iterator[ControlPlane]:
+    with load_transport(config.transport, **config.transport_options) as transport:
+        plane = ControlPlane(
+            layout, transport, secret=config.secret, timeout=config.timeout, lease=config.timeout
+        )
+        try:
+            yield plane
+        finally:
+            plane.close()
+
+
+def _prefill_main(config: DemoConfig, conn: Connection) -> None:
+    _redirect_engine_log(config, "prefill")
+    try:
+        arena, layout, ids = build_engine_cache(config, config.seed)
+        tokens = remote_prefill_token_count(config.prompt_tokens, layout.has_state)
+        with _control_plane(config, layout) as plane:
+            params = plane.publish(REQUEST_ID, ids, tokens, config.mode)
+            conn.send(("ready", params.to_dict()))
+            outcome = plane.wait(REQUEST_ID, config.timeout * 3)
+            conn.send(("freed", outcome.ok, outcome.reason))
+            conn.poll(config.timeout)  # until the parent is done with us
+        del arena
+    except BaseException as err:  # report, never hang the parent
+        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+    finally:
+        conn.close()
+        # Some engines crash in their own atexit teardown; everything is released by now.
+        os._exit(0)
+
+
+def _decode_main(config: DemoConfig, conn: Connection, progress: bool) -> None:
+    _redirect_engine_log(config, "decode")
+    try:
+        arena, layout, d_ids = build_engine_cache(config, config.seed + 1)
+        original = [buf.copy() for buf in arena.buffers]
+        if not conn.poll(config.timeout):
+            raise TimeoutError("no transfer parameters arrived from prefill")
+        params = TransferParams.from_dict(conn.recv())
+        status = Console().status(
+            f"decode {config.mode.value}s {REQUEST_ID} from prefill ...", spinner="dots"
+        )
+        with _control_plane(config, layout) as plane, status if progress else nullcontext():
+            if config.mode is Mode.PULL:
+                plane.pull(params, d_ids)
+            else:
+                plane.push(params, d_ids)
+            outcome = plane.wait(params.request_id, config.timeout * 3)
+        if not outcome.ok:
+            raise RuntimeError(f"the request failed: {outcome.reason}")
+        verified, plan = verify_decode_cache(config, arena, layout, original)
+        stats = outcome.stats
+        result = DemoResult(
+            transport=config.transport,
+            mode=config.mode.value,
+            groups=[{**asdict(g), "kind": g.kind.value} for g in plan.groups],
+            regions=len(layout.regions),
+            descriptors_before=plan.unmerged,
+            descriptors_after=stats.descriptors,
+            nbytes=stats.nbytes,
+            handshake_seconds=stats.handshake_s,
+            plan_seconds=stats.plan_s,
+            transfer_seconds=stats.transfer_s,
+            verified_bytes=verified,
+            remote_prefill_tokens=params.num_tokens,
+            prefill_outcome="",
+        )
+        conn.send(("done", asdict(result)))
+    except BaseException as err:
+        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+    finally:
+        conn.close()
+        os._exit(0)
 
 
 class DemoError(RuntimeError):
@@ -272,14 +269,16 @@ def run_demo(config: DemoConfig, progress: bool = True) -> DemoResult:
     d_child.close()
     try:
         ready = _receive(p_conn, prefill, config.timeout, "prefill")
-        d_conn.send(ready[1:])
-        done = _receive(d_conn, decode, config.timeout, "decode")
+        d_conn.send(ready[1])  # what a proxy passes from P's response to D's request
+        done = _receive(d_conn, decode, config.timeout * 3, "decode")
+        freed = _receive(p_conn, prefill, config.timeout * 3, "prefill")
         p_conn.send(("stop",))
-        _receive(p_conn, prefill, config.timeout, "prefill")
-        return DemoResult(**done[1])
+        result = DemoResult(**done[1])
+        result.prefill_outcome = ("freed: " if freed[1] else "failed: ") + freed[2]
+        return result
     finally:
         for proc in (prefill, decode):
-            proc.join(5)
+            proc.join(10)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)

@@ -1,0 +1,284 @@
+"""The side channel: one ROUTER endpoint per engine, one DEALER client per remote engine (pyzmq).
+
+The endpoint serves requests in its own thread and keeps serving whatever a peer sends: a message
+that cannot be decoded, is too large or arrives before the peer authenticated gets an
+``ErrorReply`` and a log line. Clients make request/reply calls, each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from kvbridge.core.control import auth
+from kvbridge.core.control.messages import (
+    MAX_MESSAGE_BYTES,
+    Auth,
+    Challenge,
+    ErrorReply,
+    Hello,
+    Message,
+    MessageError,
+    Ok,
+    decode,
+    encode,
+)
+from kvbridge.core.errors import KvbridgeError, PeerError
+
+log = logging.getLogger("kvbridge.control")
+
+#: ``handler(peer engine id, message) -> reply``; raise ``MessageError`` or a kvbridge error to
+#: refuse the request (the endpoint turns it into an ``ErrorReply``).
+Handler = Callable[[str, Message], Message]
+
+
+class ControlError(KvbridgeError):
+    """A peer refused a request (``code`` from its ``ErrorReply``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerTimeoutError(PeerError, TimeoutError):
+    """A peer did not answer within the timeout."""
+
+
+@dataclass
+class _Session:
+    """What the endpoint knows about one connected client."""
+
+    engine_id: str = ""
+    client_nonce: bytes = b""
+    server_nonce: bytes = b""
+    authenticated: bool = False
+
+
+class Endpoint:
+    """A bound ROUTER socket serving ``handler`` in a background thread.
+
+    ``port=0`` binds a free port; ``address`` tells which. With a ``secret`` a client must pass
+    the challenge-response before any other message is answered; without one the same exchange
+    runs with empty proofs. ``on_tick`` runs in the endpoint thread about every ``tick`` seconds
+    (lease expiry and similar housekeeping).
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        handler: Handler,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        on_tick: Callable[[], None] | None = None,
+        tick: float = 0.05,
+    ) -> None:
+        self.engine_id = engine_id
+        self._handler = handler
+        self._secret = secret
+        self._on_tick = on_tick
+        self._tick = tick
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # zmq drops (and disconnects) anything far beyond our own limit before it is buffered.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_MESSAGE_BYTES)
+        target = f"tcp://{_bracket(host)}"
+        try:
+            if port == 0:
+                port = self._socket.bind_to_random_port(target)
+            else:
+                self._socket.bind(f"{target}:{port}")
+        except zmq.ZMQError as err:
+            self._socket.close()
+            self._context.term()
+            raise PeerError(f"cannot bind the side channel on {host}:{port}: {err}") from None
+        self.host, self.port = host, port
+        self._sessions: dict[bytes, _Session] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"kvbridge-endpoint[{engine_id}]")
+        self._thread.daemon = True
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{_bracket(self.host)}:{self.port}"
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._socket.close()
+            self._context.term()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            if poller.poll(int(self._tick * 1000)):
+                try:
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                if len(frames) == 2:
+                    identity, payload = frames
+                    reply = self._answer(identity, payload)
+                    self._socket.send_multipart([identity, reply])
+                else:
+                    log.warning("side channel: dropped a message of %d frames", len(frames))
+            if self._on_tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self._tick
+                try:
+                    self._on_tick()
+                except Exception:
+                    log.exception("side channel: housekeeping failed")
+
+    def _answer(self, identity: bytes, payload: bytes) -> bytes:
+        seq = 0
+        try:
+            envelope = decode(payload)
+            seq = envelope.seq
+            return encode(seq, self._dispatch(identity, envelope.body))
+        except MessageError as err:
+            log.warning("side channel: refused a message (%s): %s", err.code, err)
+            return encode(seq, ErrorReply(err.code, str(err)))
+        except KvbridgeError as err:
+            log.info("side channel: refused a request: %s", err)
+            code = getattr(err, "code", type(err).__name__)
+            return encode(seq, ErrorReply(str(code)[:64], str(err)))
+        except Exception as err:
+            log.exception("side channel: handler failed")
+            return encode(seq, ErrorReply("internal", f"{type(err).__name__}: {err}"))
+
+    def _dispatch(self, identity: bytes, body: Message) -> Message:
+        session = self._sessions.get(identity)
+        if isinstance(body, Hello):
+            session = _Session(body.engine_id, body.nonce, auth.new_nonce())
+            if len(self._sessions) > 4096:  # bound the table against connection floods
+                self._sessions.pop(next(iter(self._sessions)))
+            self._sessions[identity] = session
+            proof = auth.server_proof(self._secret, session.client_nonce, session.server_nonce)
+            return Challenge(self.engine_id, session.server_nonce, proof)
+        if isinstance(body, Auth):
+            if session is None:
+                raise MessageError("unauthenticated", "send hello before auth")
+            expected = auth.client_proof(self._secret, session.client_nonce, session.server_nonce)
+            if not auth.verify(expected, body.proof):
+                self._sessions.pop(identity, None)
+                log.warning("side channel: peer %r failed authentication", session.engine_id)
+                raise MessageError("auth_failed", "authentication failed: wrong shared secret")
+            session.authenticated = True
+            return Ok()
+        if session is None or not session.authenticated:
+            raise MessageError("unauthenticated", "authenticate (hello, auth) before any request")
+        return self._handler(session.engine_id, body)
+
+
+class PeerClient:
+    """A connection to one remote endpoint; ``request`` sends a message and waits for its reply.
+
+    Thread-safe (one call at a time per peer). The first call runs the challenge-response; a
+    timeout resets the socket so a late reply can never be taken for the next one.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        engine_id: str,
+        *,
+        secret: bytes | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.engine_id = engine_id
+        self.timeout = timeout
+        self.remote_engine_id: str | None = None
+        self._secret = secret
+        self._context = zmq.Context()
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._socket: zmq.Socket[bytes] | None = None
+        self._authenticated = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+            self._context.term()
+
+    def _reset(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        self._socket = None
+        self._authenticated = False
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        if self._socket is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, f"{self.engine_id}-{uuid.uuid4().hex[:8]}".encode())
+            sock.connect(self.address)
+            self._socket = sock
+        return self._socket
+
+    def request(self, body: Message, timeout: float | None = None) -> Message:
+        """Send ``body``; return the reply, raise ``ControlError`` if refused, or time out."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._lock:
+            try:
+                if not self._authenticated:
+                    self._authenticate(deadline)
+                return self._call(body, deadline)
+            except (PeerTimeoutError, ControlError):
+                self._reset()
+                raise
+
+    def _authenticate(self, deadline: float) -> None:
+        nonce = auth.new_nonce()
+        challenge = self._call(Hello(self.engine_id, nonce), deadline)
+        if not isinstance(challenge, Challenge):
+            raise ControlError("protocol", f"expected a challenge from {self.address}")
+        expected = auth.server_proof(self._secret, nonce, challenge.nonce)
+        if not auth.verify(expected, challenge.proof):
+            raise ControlError(
+                "auth_failed",
+                f"the engine at {self.address} failed authentication (wrong shared secret, or a "
+                "secret set on one side only)",
+            )
+        self._call(Auth(auth.client_proof(self._secret, nonce, challenge.nonce)), deadline)
+        self.remote_engine_id = challenge.engine_id
+        self._authenticated = True
+
+    def _call(self, body: Message, deadline: float) -> Message:
+        sock = self._connect()
+        self._seq += 1
+        seq = self._seq
+        sock.send(encode(seq, body))
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
+                raise PeerTimeoutError(
+                    f"the engine at {self.address} did not answer {type(body).__name__} in time "
+                    "(dead, frozen or unreachable)"
+                )
+            try:
+                envelope = decode(sock.recv())
+            except MessageError as err:
+                raise ControlError(err.code, f"bad reply from {self.address}: {err}") from None
+            if envelope.seq != seq:
+                continue  # a late reply to an earlier call that timed out
+            reply = envelope.body
+            if isinstance(reply, ErrorReply):
+                raise ControlError(reply.code, f"{self.address} refused: {reply.message}")
+            return reply
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,167 @@
+"""Typed, versioned side-channel messages (msgspec), decoded strictly.
+
+Every message travels in an ``Envelope`` carrying the protocol version and a sequence number that
+pairs a reply with its request. Block ids are ``dict[group index, list[id]]``; sizes are bounded
+so a malformed or hostile message is rejected before it costs memory.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from kvbridge.core.layout import LayoutSpec
+
+PROTOCOL_VERSION = 1
+#: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
+MAX_MESSAGE_BYTES = 8 << 20
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+BlockIds = dict[Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)], list[BlockId]]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
+Reason = Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
+    """Base of every side-channel message."""
+
+
+# -- authentication -------------------------------------------------------------------------------
+class Hello(Message, tag="hello"):
+    """Client -> server: who I am and a fresh nonce for the server to prove itself with."""
+
+    engine_id: EngineId
+    nonce: Nonce
+
+
+class Challenge(Message, tag="challenge"):
+    """Server -> client: the server's nonce, and its proof over the client's nonce."""
+
+    engine_id: EngineId
+    nonce: Nonce
+    proof: Proof
+
+
+class Auth(Message, tag="auth"):
+    """Client -> server: the client's proof over the server's nonce."""
+
+    proof: Proof
+
+
+# -- handshake ------------------------------------------------------------------------------------
+class Handshake(Message, tag="handshake"):
+    """Either direction: an engine's layout and how its transport is reached."""
+
+    engine_id: EngineId
+    layout: LayoutSpec
+    transport: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    metadata: Annotated[bytes, msgspec.Meta(max_length=1 << 20)]
+    endpoint: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
+# -- request flow ---------------------------------------------------------------------------------
+class PullStart(Message, tag="pull_start"):
+    """D -> P (pull): D is about to read these P blocks of the request."""
+
+    request_id: RequestId
+    block_ids: BlockIds
+
+
+class Release(Message, tag="release"):
+    """D -> P (pull): D is done with the request (read it, or gave up); P may free its blocks."""
+
+    request_id: RequestId
+    ok: bool = True
+    reason: Reason = ""
+
+
+class Abort(Message, tag="abort"):
+    """D -> P: D no longer wants the request; P frees its blocks at once."""
+
+    request_id: RequestId
+    reason: Reason = ""
+
+
+class PushRequest(Message, tag="push_request"):
+    """D -> P (push): write the request into these D blocks, then send ``PushDone``."""
+
+    request_id: RequestId
+    block_ids: BlockIds
+
+
+class PushDone(Message, tag="push_done"):
+    """P -> D (push): the request's bytes are written (``ok``) or will never be."""
+
+    request_id: RequestId
+    ok: bool
+    reason: Reason = ""
+    nbytes: int = 0
+    descriptors: int = 0
+    descriptors_before_merge: int = 0
+    plan_s: float = 0.0
+    transfer_s: float = 0.0
+
+
+# -- replies --------------------------------------------------------------------------------------
+class Ok(Message, tag="ok"):
+    """A request succeeded."""
+
+
+class ErrorReply(Message, tag="error"):
+    """A request was refused; ``code`` is stable for programs, ``message`` is for people."""
+
+    code: Annotated[str, msgspec.Meta(max_length=64)]
+    message: Reason
+
+
+AnyMessage = (
+    Hello | Challenge | Auth | Handshake | PullStart | Release | Abort | PushRequest | PushDone
+    | Ok | ErrorReply
+)  # fmt: skip
+
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What goes on the wire: protocol version, sequence number, one message."""
+
+    version: int
+    seq: Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+    body: AnyMessage
+
+
+class MessageError(ValueError):
+    """A received message cannot be used; ``code`` is sent back in an ``ErrorReply``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(seq: int, body: Message) -> bytes:
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, seq, body))  # type: ignore[arg-type]
+
+
+def decode(data: bytes) -> Envelope:
+    """Decode one envelope strictly; ``MessageError`` says what is wrong."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError("too_large", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        envelope = _decoder.decode(data)
+    except msgspec.ValidationError as err:
+        raise MessageError("invalid", f"invalid message: {err}") from None
+    except msgspec.DecodeError as err:
+        raise MessageError("malformed", f"malformed message: {err}") from None
+    if envelope.version != PROTOCOL_VERSION:
+        raise MessageError(
+            "version",
+            f"protocol version {envelope.version} is not supported (this side speaks "
+            f"{PROTOCOL_VERSION}); run the same kvbridge version on both engines",
+        )
+    return envelope
