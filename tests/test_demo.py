@@ -9,33 +9,35 @@ import sys
 import numpy as np
 import pytest
 
-from kvbridge.core import Layout, plan_transfers
-from kvbridge.demo import AddressMap, DemoConfig, _build, _verify
+from kvbridge.core import plan_transfers
+from kvbridge.demo import AddressMap, DemoConfig, build_engine_cache, verify_decode_cache
 
 
 @pytest.mark.timeout(180)
-def test_demo_moves_and_verifies_a_hybrid_request_through_mooncake():
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_demo_moves_and_verifies_a_hybrid_request_through_mooncake(mode):
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", "demo", "--transport", "mooncake",
+        [sys.executable, "-m", "kvbridge.cli", "demo", "--transport", "mooncake", "--mode", mode,
          "--layers", "8", "--num-blocks", "8", "--prompt-tokens", "2048", "--json",
-         "--timeout", "60"],
+         "--timeout", "60", "--secret", "demo-secret"],
         capture_output=True, text=True, timeout=170,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     (run,) = json.loads(result.stdout)
-    assert run["transport"] == "mooncake"
+    assert run["transport"] == "mooncake" and run["mode"] == mode
     kinds = [g["kind"] for g in run["groups"]]
     # 8 layers: 2 full attention; 6 GDN in groups the size of the attention group, as in vLLM
     assert kinds == ["ATTENTION", "STATE", "STATE", "STATE"]
     assert run["remote_prefill_tokens"] == 2047
     assert run["descriptors_after"] < run["descriptors_before"]
     assert run["nbytes"] > 0 and run["verified_bytes"] > run["nbytes"]
+    assert run["prefill_outcome"].startswith("freed")
 
 
 def test_verification_catches_a_wrong_byte():
     config = DemoConfig(num_layers=8, num_blocks=6, prompt_tokens=1000)
-    p_arena, p_layout, p_ids = _build(config, config.seed)
-    d_arena, d_layout, d_ids = _build(config, config.seed + 1)
+    p_arena, p_layout, p_ids = build_engine_cache(config, config.seed)
+    d_arena, d_layout, d_ids = build_engine_cache(config, config.seed + 1)
     original = [b.copy() for b in d_arena.buffers]
     plan = plan_transfers(p_layout, d_layout, p_ids, d_ids)
     # move the bytes in-process, as a transport would
@@ -43,19 +45,20 @@ def test_verification_catches_a_wrong_byte():
     target = AddressMap(d_arena.bases, d_arena.buffers)
     for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True):
         target.view(d, n)[:] = source.view(s, n)
-    assert _verify(config, d_arena, original, p_arena.bases, plan) > 0
+    verified, _ = verify_decode_cache(config, d_arena, d_layout, original)
+    assert verified == sum(b.size for b in d_arena.buffers)
     # one byte outside the plan changes: caught
+    base = d_arena.bases[0]
     untouched = np.ones(d_arena.buffers[0].size, dtype=bool)
     for d, n in zip(plan.dst.tolist(), plan.lengths.tolist(), strict=True):
-        if d_arena.bases[0] <= d < d_arena.bases[0] + untouched.size:
-            untouched[d - d_arena.bases[0] : d - d_arena.bases[0] + n] = False
+        if base <= d < base + untouched.size:
+            untouched[d - base : d - base + n] = False
     i = int(np.flatnonzero(untouched)[0])
     d_arena.buffers[0][i] ^= 0xFF
     with pytest.raises(AssertionError, match="differs"):
-        _verify(config, d_arena, original, p_arena.bases, plan)
+        verify_decode_cache(config, d_arena, d_layout, original)
     d_arena.buffers[0][i] ^= 0xFF
     # one moved byte is wrong: caught
     target.view(int(plan.dst[0]), 1)[0] ^= 0x01
     with pytest.raises(AssertionError, match="differs"):
-        _verify(config, d_arena, original, p_arena.bases, plan)
-    assert isinstance(Layout.from_json(p_layout.to_json()), Layout)
+        verify_decode_cache(config, d_arena, d_layout, original)
