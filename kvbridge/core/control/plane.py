@@ -170,6 +170,7 @@ class ControlPlane:
         self._leases: dict[str, _Lease] = {}
         self._pending_push: dict[str, tuple[str, BlockIds, float]] = {}
         self._pending: dict[str, _Pending] = {}
+        self._aborted: dict[str, float] = {}  # request ids aborted on D, until when to remember
         self._remotes: dict[str, _RemoteEngine] = {}  # by engine id (peers that handshook us)
         self._by_endpoint: dict[str, _RemoteEngine] = {}  # engines we handshook, by endpoint
         self._clients: dict[str, PeerClient] = {}
@@ -228,15 +229,18 @@ class ControlPlane:
         pending = self._begin(params, block_ids)
         self._executor.submit(self._run_push_request, pending)
 
-    def abort(self, request_id: str, reason: str = "aborted by decode") -> None:
-        """Stop loading a request; P is told so it frees the blocks at once."""
+    def abort(self, params: TransferParams, reason: str = "aborted by decode") -> None:
+        """Give up a request, before or during its load; P is told so it frees the blocks at once.
+
+        A load in progress ends with a failed outcome; one not started yet never starts.
+        """
         with self._lock:
-            pending = self._pending.get(request_id)
-            if pending is None:
-                return
-            pending.aborted = True
-        self._executor.submit(self._send_abort, pending.params, reason)
-        self._finish_pending(request_id, False, reason)
+            pending = self._pending.get(params.request_id)
+            if pending is not None:
+                pending.aborted = True
+            self._aborted[params.request_id] = time.monotonic() + self.lease
+        self._executor.submit(self._send_abort, params, reason)
+        self._finish_pending(params.request_id, False, reason)
 
     # -- both sides -------------------------------------------------------------------------------
     def poll_finished(self) -> list[RequestOutcome]:
@@ -408,6 +412,9 @@ class ControlPlane:
                 if deadline < now:
                     del self._pending_push[rid]
             late = [r for r, p in self._pending.items() if p.deadline < now]
+            for rid, until in list(self._aborted.items()):
+                if until < now:
+                    del self._aborted[rid]
         for rid in expired:
             self._free(rid, False, f"lease of {self.lease:g} s expired before decode released it")
         for rid in late:
@@ -421,6 +428,8 @@ class ControlPlane:
                 raise KvbridgeError("the control plane is closed")
             if params.request_id in self._pending:
                 raise KvbridgeError(f"request {params.request_id!r} is already being loaded")
+            if params.request_id in self._aborted:
+                raise KvbridgeError(f"request {params.request_id!r} was aborted")
             # Overall bound: handshake, queueing and transfer included.
             deadline = time.monotonic() + self.handshake_timeout + 2 * self.timeout
             pending = _Pending(params, ids, deadline)

@@ -1,0 +1,229 @@
+"""An engine process for control-plane tests: a real cache, transport and ``ControlPlane``.
+
+Run as ``python -m tests.control.engine CONFIG_JSON``; it answers one JSON command per stdin line
+with one JSON line on stdout. ``EngineProcess`` is the test side. Cache contents derive from a
+seed, so any process can regenerate another engine's cache to check bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbridge.core import Layout, plan_transfers
+from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
+from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
+from kvbridge.core.groups import GroupKind
+from kvbridge.demo import AddressMap, Arena
+from kvbridge.model_shapes import ModelShape, layout_spec
+
+TINY_HYBRID = ModelShape(
+    name="tiny-hybrid", source="test shape", num_layers=8, num_kv_heads=2, head_dim=64,
+    full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+)  # fmt: skip
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_cache(config: dict[str, Any], seed: int) -> tuple[Arena, Layout]:
+    """The engine's cache; ``kv_heads``/``head_dim``/``layers`` in ``config`` resize the model."""
+    arena = Arena()
+    shape = dataclasses.replace(
+        TINY_HYBRID,
+        num_kv_heads=config.get("kv_heads", TINY_HYBRID.num_kv_heads),
+        head_dim=config.get("head_dim", TINY_HYBRID.head_dim),
+        num_layers=config.get("layers", TINY_HYBRID.num_layers),
+    )
+    layout = Layout(layout_spec(shape, config["num_blocks"], arena.allocate))
+    arena.fill(seed)
+    return arena, layout
+
+
+class BlockAllocator:
+    """Hands out disjoint block ids of one engine's shared pool, as vLLM's allocator does."""
+
+    def __init__(self, layout: Layout, seed: int) -> None:
+        self.layout = layout
+        pool = min(g.num_blocks for g in layout.groups.values())
+        self.free = [int(b) for b in np.random.default_rng(seed).permutation(np.arange(1, pool))]
+
+    def request(self, prompt_tokens: int) -> dict[int, list[int]]:
+        tokens = remote_prefill_token_count(prompt_tokens, self.layout.has_state)
+        ids: dict[int, list[int]] = {}
+        for index, group in sorted(self.layout.groups.items()):
+            count = blocks_for_tokens(tokens, group.block_size)
+            if group.kind is GroupKind.STATE:
+                ids[index] = [group.null_block_id] * max(0, count - 1) + [self.free.pop()]
+            else:
+                ids[index] = [self.free.pop() for _ in range(count)]
+        return ids
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    arena, layout = build_cache(config, config["seed"])
+    original = [b.copy() for b in arena.buffers]
+    import kvbridge
+
+    transport = kvbridge.load_transport(config["transport"], **config.get("options", {}))
+    plane = ControlPlane(
+        layout, transport, engine_id=config.get("engine_id"), secret=config.get("secret"),
+        timeout=config.get("timeout", 10.0), lease=config.get("lease", 30.0),
+        handshake_timeout=config.get("handshake_timeout", 5.0),
+    )  # fmt: skip
+    reply({"endpoint": plane.endpoint, "engine_id": plane.engine_id, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            reply(handle(cmd, plane, config, arena, layout, original))
+        except Exception as err:
+            reply({"error": f"{type(err).__name__}: {err}"})
+        if cmd["cmd"] == "close":
+            break
+    # Engines may crash in their own atexit teardown; everything is released by now.
+    os._exit(0)
+
+
+def handle(
+    cmd: dict[str, Any], plane: ControlPlane, config: dict[str, Any], arena: Arena,
+    layout: Layout, original: list[np.ndarray],
+) -> Any:  # fmt: skip
+    name = cmd["cmd"]
+    if name == "publish":
+        mode = Mode(cmd.get("mode", "pull"))
+        ids = {int(k): v for k, v in cmd["block_ids"].items()}
+        return plane.publish(cmd["request_id"], ids, cmd["num_tokens"], mode).to_dict()
+    if name in ("pull", "push"):
+        params = TransferParams.from_dict(cmd["params"])
+        ids = {int(k): v for k, v in cmd["block_ids"].items()}
+        (plane.pull if name == "pull" else plane.push)(params, ids)
+        return {"started": True}
+    if name == "abort":
+        plane.abort(TransferParams.from_dict(cmd["params"]), cmd.get("reason", "test abort"))
+        return {"aborted": True}
+    if name == "wait":
+        out = plane.wait(cmd["request_id"], cmd.get("timeout", 30))
+        return {"request_id": out.request_id, "ok": out.ok, "reason": out.reason,
+                "stats": out.stats.__dict__}  # fmt: skip
+    if name == "finished":
+        return [{"request_id": o.request_id, "ok": o.ok, "reason": o.reason}
+                for o in plane.poll_finished()]  # fmt: skip
+    if name == "leased":
+        return plane.leased
+    if name == "pullers":
+        with plane._lock:
+            return {r: lease.puller for r, lease in plane._leases.items()}
+    if name == "verify":
+        return verify(cmd, config, arena, layout, original)
+    if name == "close":
+        plane.close()
+        registered = getattr(plane.transport, "registered", None)
+        plane.transport.close()
+        return {"leased": plane.leased, "registered_after_plane_close": len(registered or [])}
+    raise ValueError(f"unknown command {name}")
+
+
+def verify(
+    cmd: dict[str, Any], config: dict[str, Any], arena: Arena, layout: Layout,
+    original: list[np.ndarray],
+) -> dict[str, Any]:  # fmt: skip
+    """Regenerate each source engine's cache and check every byte of this one."""
+    expected = [b.copy() for b in original]
+    target = AddressMap(arena.bases, expected)
+    for source in cmd["sources"]:
+        p_arena, p_layout = build_cache(source["config"], source["config"]["seed"])
+        src = AddressMap(p_arena.bases, p_arena.buffers)
+        for p_ids, d_ids in source["pairs"]:
+            plan = plan_transfers(p_layout, layout, {int(k): v for k, v in p_ids.items()},
+                                  {int(k): v for k, v in d_ids.items()})  # fmt: skip
+            for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(),
+                               strict=True):  # fmt: skip
+                target.view(d, n)[:] = src.view(s, n)
+    for i, (got, want) in enumerate(zip(arena.buffers, expected, strict=True)):
+        if not np.array_equal(got, want):
+            return {"ok": False, "buffer": i, "byte": int(np.flatnonzero(got != want)[0])}
+    return {"ok": True, "bytes": int(sum(b.size for b in arena.buffers))}
+
+
+def reply(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+@dataclass
+class EngineProcess:
+    """The test side of an engine process; always reaped by ``stop``."""
+
+    proc: subprocess.Popen[str]
+    info: dict[str, Any]
+    config: dict[str, Any]
+
+    @classmethod
+    def start(cls, tmp_path: Path, role: str, **config: Any) -> EngineProcess:
+        config.setdefault("num_blocks", 512)
+        config.setdefault("seed", abs(hash(role)) % 10_000)
+        log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.control.engine", json.dumps(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+        )  # fmt: skip
+        engine = cls(proc, {}, config)
+        engine.info = engine._read(60)
+        return engine
+
+    @property
+    def layout(self) -> Layout:
+        return build_cache(self.config, self.config["seed"])[1]
+
+    def call(self, timeout: float = 60, **cmd: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def _read(self, timeout: float) -> Any:
+        import select
+
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"engine process {self.proc.pid} did not answer in {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine process exited with {self.proc.wait(5)}")
+        return json.loads(line)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self) -> dict[str, Any] | None:
+        """Close the plane cleanly if alive; return what it reported; reap the process."""
+        result = None
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                result = self.call(timeout=30, cmd="close")
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        return result
+
+
+if __name__ == "__main__":
+    main()

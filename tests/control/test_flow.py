@@ -1,0 +1,81 @@
+"""Request flow through real engine processes: pull and push, many requests, several engines."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from tests.control.engine import BlockAllocator
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run_requests(p, d, count, mode, rng, p_alloc, d_alloc, prefix="r"):
+    """Publish ``count`` requests of mixed sizes on P, load them all at once on D."""
+    pairs, params = [], []
+    for i in range(count):
+        tokens = rng.randint(1, 300)
+        p_ids, d_ids = p_alloc.request(tokens), d_alloc.request(tokens)
+        rid = f"{prefix}{i}"
+        params.append(p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=tokens,
+                             mode=mode))  # fmt: skip
+        pairs.append((p_ids, d_ids))
+    for prm, (_, d_ids) in zip(params, pairs, strict=True):
+        assert d.call(cmd=mode, params=prm, block_ids=d_ids) == {"started": True}
+    for prm in params:
+        out = d.call(cmd="wait", request_id=prm["request_id"], timeout=60)
+        assert out["ok"], out
+    return pairs
+
+
+def check_bytes(d, sources):
+    result = d.call(cmd="verify", timeout=120, sources=sources)
+    assert result["ok"], result
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_64_concurrent_requests_of_mixed_sizes(engines, transport, mode):
+    p = engines("prefill", transport, seed=11, num_blocks=2048)
+    d = engines("decode", transport, seed=12, num_blocks=2048)
+    rng = random.Random(5)
+    pairs = run_requests(p, d, 64, mode, rng, BlockAllocator(p.layout, 1),
+                         BlockAllocator(d.layout, 2))  # fmt: skip
+    check_bytes(d, [{"config": p.config, "pairs": pairs}])
+    freed = {o["request_id"]: o for o in p.call(cmd="finished")}
+    deadline = time.monotonic() + 10  # the last releases may reach P a moment after D is done
+    while len(freed) < 64 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        freed.update({o["request_id"]: o for o in p.call(cmd="finished")})
+    assert len(freed) == 64 and all(o["ok"] for o in freed.values()), freed
+    assert p.call(cmd="leased") == []
+    closed = p.stop()
+    assert closed == {"leased": [], "registered_after_plane_close": 0}
+
+
+def test_one_prefill_serves_two_decodes(engines, transport):
+    p = engines("prefill", transport, seed=21, num_blocks=1024)
+    d1 = engines("decode1", transport, seed=22, num_blocks=1024)
+    d2 = engines("decode2", transport, seed=23, num_blocks=1024)
+    rng = random.Random(7)
+    p_alloc = BlockAllocator(p.layout, 3)
+    pairs1 = run_requests(p, d1, 16, "pull", rng, p_alloc, BlockAllocator(d1.layout, 4), "a")
+    pairs2 = run_requests(p, d2, 16, "push", rng, p_alloc, BlockAllocator(d2.layout, 5), "b")
+    check_bytes(d1, [{"config": p.config, "pairs": pairs1}])
+    check_bytes(d2, [{"config": p.config, "pairs": pairs2}])
+
+
+def test_prefill_restarted_between_two_requests(engines, transport):
+    d = engines("decode", transport, seed=32, num_blocks=512)
+    d_alloc = BlockAllocator(d.layout, 6)
+    p1 = engines("prefill1", transport, seed=31, num_blocks=512)
+    pairs1 = run_requests(p1, d, 1, "pull", random.Random(1), BlockAllocator(p1.layout, 7),
+                          d_alloc, "before")  # fmt: skip
+    p1.stop()
+    # A new prefill engine (new engine id, new endpoint and transport metadata).
+    p2 = engines("prefill2", transport, seed=33, num_blocks=512)
+    assert p2.info["engine_id"] != p1.info["engine_id"]
+    pairs2 = run_requests(p2, d, 1, "pull", random.Random(2), BlockAllocator(p2.layout, 8),
+                          d_alloc, "after")  # fmt: skip
+    check_bytes(d, [{"config": p1.config, "pairs": pairs1}, {"config": p2.config, "pairs": pairs2}])
