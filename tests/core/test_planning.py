@@ -213,3 +213,31 @@ def test_merge_descriptors_finds_runs_in_any_order():
         np.array([100, 100], dtype=np.uint64),
     )  # fmt: skip
     assert len(s) == 2
+
+
+@pytest.mark.parametrize("kernel", [8, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_hybrid_with_storage_shared_across_groups_matches_reference(seed, kernel):
+    # As vLLM lays out a hybrid model: layer i of every group shares one tensor, and the groups
+    # draw their block ids from one pool, so pages of different groups sit side by side.
+    from kvbridge.example_layouts import fragmented_pool
+    from kvbridge.model_shapes import ModelShape, layout_spec
+
+    shape = ModelShape(
+        name="small-hybrid", source="test", num_layers=8, num_kv_heads=1, head_dim=8,
+        full_attention_interval=4, linear_num_key_heads=1, linear_num_value_heads=1,
+        linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=2,
+    )  # fmt: skip
+    pa, da = Arena(), Arena(next=1 << 20)
+    p = Layout(layout_spec(shape, 40, pa.allocate, block_size=8, kernel_block_size=kernel))
+    d = Layout(layout_spec(shape, 40, da.allocate, block_size=8, kernel_block_size=kernel))
+    rng = np.random.default_rng(seed)
+    p_ids, d_ids = {}, {}
+    for layout, ids in ((p, p_ids), (d, d_ids)):
+        pool = fragmented_pool(40, rng, max_run=4)
+        for index, group in sorted(layout.groups.items()):
+            if group.kind is GroupKind.STATE:
+                ids[index] = [0, 0, pool.pop()]
+            else:
+                ids[index] = [pool.pop() for _ in range(3)]
+    check_plan(pa, p, da, d, p_ids, d_ids, seed=seed)
