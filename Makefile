@@ -6,6 +6,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvbridge-installed
 EXTRAS ?= dev,mooncake
+# NIXL's wheels require torch, which an extra cannot skip: --no-deps keeps 6 GB of torch and CUDA
+# wheels off a CPU machine (the engine itself does not import torch). On a host whose torch is
+# built for CUDA 13, use nixl-cu13==1.5.1 instead of nixl-cu12; with torch present, the `nixl`
+# extra works as a plain extra.
+NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 
 .PHONY: demo test lint typecheck unit setup system-deps examples clean
 
@@ -27,6 +32,7 @@ $(STAMP): pyproject.toml | system-deps
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install -q --no-deps $(NIXL_PKGS)
 	@touch $(STAMP)
 
 # The main job on the embedded default: a real prefill -> decode transfer over loopback.

@@ -1,0 +1,11 @@
+"""NIXL transport (entry point ``nixl``), UCX backend by default."""
+
+from kvbridge.transports.nixl.transport import (
+    INSTALL_COMMAND,
+    NixlHandle,
+    NixlMetadata,
+    NixlTransport,
+    exit_cleanly,
+)
+
+__all__ = ["INSTALL_COMMAND", "NixlHandle", "NixlMetadata", "NixlTransport", "exit_cleanly"]
