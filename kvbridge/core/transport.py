@@ -97,6 +97,8 @@ class TransferHandle:
     nbytes: int
     deadline: float
     extra: dict[str, Any] = field(default_factory=dict)
+    #: set by the transport when the batch failed because its deadline passed
+    timed_out: bool = False
 
 
 class Transport(abc.ABC):
@@ -183,7 +185,8 @@ class Transport(abc.ABC):
             if status.state is TransferState.DONE:
                 return
             if status.state is TransferState.FAILED:
-                raise TransferError(status.reason or "transfer failed")
+                error = TransferTimeoutError if handle.timed_out else TransferError
+                raise error(status.reason or "transfer failed")
             if time.monotonic() >= limit:
                 self.release(handle)
                 raise TransferTimeoutError(

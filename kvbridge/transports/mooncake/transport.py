@@ -27,18 +27,17 @@ reported ``FAILED`` whatever the engine is doing.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
 
 import msgspec
 
+from kvbridge.core.environment import environment_overrides
 from kvbridge.core.errors import (
     PeerError,
     RegistrationError,
@@ -119,21 +118,6 @@ def _engine_supports_vram() -> bool:
     return False
 
 
-@contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration of the block (the engine reads them)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 @dataclass(eq=False)
 class MooncakeHandle(TransferHandle):
     """A submitted batch: its chunks, how many finished, and the first failure."""
@@ -141,7 +125,6 @@ class MooncakeHandle(TransferHandle):
     session: str = ""
     chunks: int = 0
     error: str | None = None
-    timed_out: bool = False
     _done: int = field(default=0, repr=False)
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -391,7 +374,7 @@ class MooncakeTransport(Transport):
         self._max_batch = int(max_batch)
         self._max_in_flight = int(max_in_flight)
         engine_timeout = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.timeout))
-        with _environ(MC_TRANSFER_TIMEOUT=str(engine_timeout)):
+        with environment_overrides({"MC_TRANSFER_TIMEOUT": str(engine_timeout)}):
             engine = engine_cls()
             rc = engine.initialize(hostname, metadata_server, protocol, device_name)
         if rc != 0:

@@ -35,8 +35,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, NoReturn
@@ -44,11 +44,11 @@ from typing import Annotated, Any, ClassVar, NoReturn
 import msgspec
 import numpy as np
 
+from kvbridge.core.environment import environment_overrides
 from kvbridge.core.errors import (
     PeerError,
     RegistrationError,
     TransferError,
-    TransferTimeoutError,
     TransportError,
     TransportUnavailableError,
 )
@@ -167,22 +167,6 @@ def _ucx_environment(ucx: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables while the agent is created (UCX reads them then), then restore
-    them, so another transport in the process starts from the process's own settings."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 # -- handles and peers --------------------------------------------------------------------------
 
 
@@ -191,7 +175,6 @@ class NixlHandle(TransferHandle):
     """A submitted batch: NIXL's transfer handle until it finishes, then its final status."""
 
     agent: str = ""
-    timed_out: bool = False
     _xfer: Any = field(default=None, repr=False)
     _status: TransferStatus | None = field(default=None, repr=False)
 
@@ -314,7 +297,7 @@ class NixlTransport(Transport):
         # NIXL raises RuntimeError when no plugin at all could be loaded.
         startup_errors: tuple[type[BaseException], ...] = (*self._errors, RuntimeError)
         try:
-            with _environ(self.ucx_environment):
+            with environment_overrides(self.ucx_environment):
                 agent = api.nixl_agent(self.agent_name, config)
         except startup_errors as err:
             raise TransportError(
@@ -606,18 +589,6 @@ class NixlTransport(Transport):
                     ),
                 )
         return PENDING
-
-    def wait(self, handle: TransferHandle, timeout: float | None = None) -> None:
-        """Poll until the batch finishes; ``TransferTimeoutError`` past its deadline."""
-        h = self._own(handle)
-        try:
-            super().wait(h, timeout)
-        except TransferTimeoutError:
-            raise
-        except TransferError as err:
-            if h.timed_out:
-                raise TransferTimeoutError(str(err)) from None
-            raise
 
     def release(self, handle: TransferHandle) -> None:
         """Cancel a pending batch (its NIXL handle is freed); a finished one holds nothing."""
