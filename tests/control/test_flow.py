@@ -26,7 +26,7 @@ def run_requests(p, d, count, mode, rng, p_alloc, d_alloc, prefix="r"):
         assert d.call(cmd=mode, params=prm, block_ids=d_ids) == {"started": True}
     for prm in params:
         out = d.call(cmd="wait", request_id=prm["request_id"], timeout=60)
-        assert out["ok"], out
+        assert out["ok"], out["reason"]
     return pairs
 
 

@@ -174,6 +174,7 @@ class ControlPlane:
         self._remotes: dict[str, _RemoteEngine] = {}  # by engine id (peers that handshook us)
         self._by_endpoint: dict[str, _RemoteEngine] = {}  # engines we handshook, by endpoint
         self._clients: dict[str, PeerClient] = {}
+        self._handshake_gates: dict[str, threading.Lock] = {}
         self._closed = False
         transport.register(layout.registration)
         self._metadata = transport.metadata()
@@ -506,13 +507,18 @@ class ControlPlane:
     def _remote_for(self, params: TransferParams, stats: RequestStats) -> _RemoteEngine:
         """The handshake with P, cached; redone when P restarted (a new engine id)."""
         with self._lock:
-            remote = self._by_endpoint.get(params.endpoint)
-        if remote is not None and remote.engine_id == params.engine_id:
+            gate = self._handshake_gates.setdefault(params.endpoint, threading.Lock())
+        # One handshake per remote engine at a time: requests arriving together wait for it
+        # instead of each reconnecting the transport under the others' transfers.
+        with gate:
+            with self._lock:
+                remote = self._by_endpoint.get(params.endpoint)
+            if remote is not None and remote.engine_id == params.engine_id:
+                return remote
+            start = time.monotonic()
+            remote = self._handshake(params)
+            stats.handshake_s = time.monotonic() - start
             return remote
-        start = time.monotonic()
-        remote = self._handshake(params)
-        stats.handshake_s = time.monotonic() - start
-        return remote
 
     def _handshake(self, params: TransferParams) -> _RemoteEngine:
         deadline = time.monotonic() + self.handshake_timeout
@@ -544,8 +550,8 @@ class ControlPlane:
             raise ControlError("transport_mismatch", f"prefill uses {reply.transport!r}")
         with self._lock:
             old = self._by_endpoint.get(params.endpoint)
-        if old is not None:
-            self.transport.disconnect(old.engine_id)
+        if old is not None and old.engine_id != reply.engine_id:
+            self.transport.disconnect(old.engine_id)  # P restarted: forget the old engine
         self.transport.connect(reply.engine_id, reply.metadata)
         remote = _RemoteEngine(reply.engine_id, remote_layout, params.endpoint)
         with self._lock:
