@@ -79,3 +79,28 @@ def test_prefill_restarted_between_two_requests(engines, transport):
     pairs2 = run_requests(p2, d, 1, "pull", random.Random(2), BlockAllocator(p2.layout, 8),
                           d_alloc, "after")  # fmt: skip
     check_bytes(d, [{"config": p1.config, "pairs": pairs1}, {"config": p2.config, "pairs": pairs2}])
+
+
+def test_two_prefills_serve_one_decode_at_once(engines, transport):
+    prefills = [engines(f"prefill{i}", transport, seed=41 + i, num_blocks=1024) for i in range(2)]
+    d = engines("decode", transport, seed=43, num_blocks=1024)
+    d_alloc = BlockAllocator(d.layout, 9)
+    rng = random.Random(11)
+    allocs = [BlockAllocator(p.layout, 10 + i) for i, p in enumerate(prefills)]
+    pairs: list[list] = [[], []]
+    started = []
+    for i in range(24):  # interleaved: both prefills' requests are in flight together
+        which = i % 2
+        tokens = rng.randint(1, 300)
+        p_ids, d_ids = allocs[which].request(tokens), d_alloc.request(tokens)
+        params = prefills[which].call(cmd="publish", request_id=f"x{i}", block_ids=p_ids,
+                                      num_tokens=tokens)  # fmt: skip
+        assert d.call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
+        pairs[which].append((p_ids, d_ids))
+        started.append(f"x{i}")
+    for rid in started:
+        out = d.call(cmd="wait", request_id=rid, timeout=60)
+        assert out["ok"], out["reason"]
+    check_bytes(
+        d, [{"config": p.config, "pairs": pp} for p, pp in zip(prefills, pairs, strict=True)]
+    )
