@@ -477,7 +477,10 @@ class TransportConformance:
             with pytest.raises((TransferError, RegistrationError)):
                 agent.transport.transfer(op, "p", agent.at([0]), [remote], [4096])
             record_fault(
-                self.name, f"remote out of range ({op.value})", time.monotonic() - start, limit
+                type(self).__name__,
+                f"remote out of range ({op.value})",
+                time.monotonic() - start,
+                limit,
             )
         # Nothing was written, the transport still works with the same peer.
         expected = random_bytes(25, peer.size)
@@ -547,7 +550,9 @@ class TransportConformance:
         assert not answer["ok"], "a peer could still write into a closed transport's memory"
         assert answer["kind"] in {"TransferError", "TransferTimeoutError", "RegistrationError"}
         limit = self.fault_options.get("timeout", 30) + self.fault_margin
-        record_fault(self.name, "write into a closed transport", time.monotonic() - start, limit)
+        record_fault(
+            type(self).__name__, "write into a closed transport", time.monotonic() - start, limit
+        )
         assert not agent.buf[4096:8192].any()
 
     # -- faults -------------------------------------------------------------------------------
@@ -576,7 +581,9 @@ class TransportConformance:
             start = time.monotonic()
             with pytest.raises(TransportError):
                 agent.transport.transfer(op, "p", agent.at([0]), at(peer, [0]), [MiB])
-            record_fault(self.name, f"peer exited ({op.value})", time.monotonic() - start, limit)
+            record_fault(
+                type(self).__name__, f"peer exited ({op.value})", time.monotonic() - start, limit
+            )
         self._still_works(agent, spawn_peer, peer_bytes)
 
     @pytest.mark.timeout(60)
@@ -594,7 +601,9 @@ class TransportConformance:
                 agent.transport.wait(handle)
                 handle = agent.transport.submit(WRITE, "p", agent.at([0]), at(peer, [0]), [size])
         limit = agent.transport.timeout + self.fault_margin
-        record_fault(self.name, "peer SIGKILLed mid-transfer", time.monotonic() - start, limit)
+        record_fault(
+            type(self).__name__, "peer SIGKILLed mid-transfer", time.monotonic() - start, limit
+        )
         peer.kill()
         self._still_works(agent, spawn_peer, peer_bytes)
 
@@ -616,7 +625,7 @@ class TransportConformance:
         with pytest.raises(TransportError):
             agent.transport.wait(handle)
         limit = agent.transport.timeout + self.fault_margin
-        record_fault(self.name, "peer frozen (SIGSTOP)", time.monotonic() - start, limit)
+        record_fault(type(self).__name__, "peer frozen (SIGSTOP)", time.monotonic() - start, limit)
         assert agent.transport.poll(handle).state is TransferState.FAILED
         frozen.kill()
         self._still_works(agent, spawn_peer, peer_bytes)
@@ -634,6 +643,8 @@ class TransportConformance:
         with pytest.raises(TransportError):
             agent.transport.wait(handle)
         limit = agent.transport.timeout + self.fault_margin
-        record_fault(self.name, "peer frozen before first contact", time.monotonic() - start, limit)
+        record_fault(
+            type(self).__name__, "peer frozen before first contact", time.monotonic() - start, limit
+        )
         frozen.kill()
         self._still_works(agent, spawn_peer, peer_bytes)

@@ -12,4 +12,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     terminalreporter.section("transport fault timings")
     for name, case, elapsed, limit in FAULT_TIMINGS:
-        terminalreporter.write_line(f"{name:10} {case:40} {elapsed:7.3f} s (limit {limit:.1f} s)")
+        terminalreporter.write_line(f"{name:14} {case:40} {elapsed:7.3f} s (limit {limit:.1f} s)")
