@@ -104,3 +104,31 @@ def test_two_prefills_serve_one_decode_at_once(engines, transport):
     check_bytes(
         d, [{"config": p.config, "pairs": pp} for p, pp in zip(prefills, pairs, strict=True)]
     )
+
+
+def test_pull_that_arrives_before_the_publish_waits_for_it(engines, transport):
+    # A serving engine may pass the parameters on before P's worker has published the request.
+    p = engines("prefill", transport, seed=51, num_blocks=512)
+    d = engines("decode", transport, seed=52, num_blocks=512, timeout=5)
+    p_ids, d_ids = (
+        BlockAllocator(p.layout, 1).request(150),
+        BlockAllocator(d.layout, 2).request(150),
+    )
+    early = {"request_id": "early", "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
+             "block_ids": p_ids, "num_tokens": 150, "transport": transport, "mode": "pull"}  # fmt: skip
+    assert d.call(cmd="pull", params=early, block_ids=d_ids) == {"started": True}
+    time.sleep(0.5)
+    assert (
+        p.call(cmd="publish", request_id="early", block_ids=p_ids, num_tokens=150)["request_id"]
+        == "early"
+    )
+    out = d.call(cmd="wait", request_id="early", timeout=30)
+    assert out["ok"], out["reason"]
+    check_bytes(d, [{"config": p.config, "pairs": [(p_ids, d_ids)]}])
+    # never published: the load fails once the timeout has passed, with the reason
+    never = {**early, "request_id": "never"}
+    start = time.monotonic()
+    d.call(cmd="pull", params=never, block_ids=BlockAllocator(d.layout, 3).request(150))
+    out = d.call(cmd="wait", request_id="never", timeout=30)
+    assert not out["ok"] and "not held here" in out["reason"]
+    assert 4 < time.monotonic() - start < 15

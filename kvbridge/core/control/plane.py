@@ -441,8 +441,7 @@ class ControlPlane:
         params, rid = pending.params, pending.params.request_id
         try:
             remote = self._remote_for(params, pending.stats)
-            client = self._client(params.endpoint)
-            client.request(PullStart(rid, params.block_ids), self.timeout)
+            self._claim(params, pending)
             if pending.aborted:
                 return
             plan = self._plan(remote.layout, self.layout, params.block_ids, pending.block_ids,
@@ -455,6 +454,27 @@ class ControlPlane:
             return
         self._send_release(params, True, "")
         self._finish_pending(rid, True, "")
+
+    def _claim(self, params: TransferParams, pending: _Pending) -> None:
+        """Tell P which blocks D reads; wait (bounded) for P to publish a request it has not yet.
+
+        A serving engine may hand the transfer parameters to D before its worker has published
+        the request (vLLM publishes one engine step after the request finished on P).
+        """
+        client = self._client(params.endpoint)
+        deadline = time.monotonic() + self.timeout
+        delay = 0.005
+        while True:
+            try:
+                client.request(PullStart(params.request_id, params.block_ids), self.timeout)
+                return
+            except ControlError as err:
+                if err.code != "unknown_request" or pending.aborted:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise ControlError(err.code, f"{err} (waited {self.timeout:g} s)") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     def _run_push_request(self, pending: _Pending) -> None:
         params, rid = pending.params, pending.params.request_id
