@@ -57,3 +57,14 @@ examples: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info
+
+# Benchmarks (kvbridge bench): `make bench` prints the tables; `make bench-docs` reruns the
+# published run and regenerates README.md's "Benchmark results" section and the charts in docs/.
+.PHONY: bench bench-docs
+
+bench: $(STAMP)
+	$(BIN)/kvbridge bench
+
+bench-docs: $(STAMP)
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/publish.py

@@ -16,6 +16,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from kvbridge.bench import add_parser as add_bench_parser
 from kvbridge.core.errors import KvbridgeError
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
@@ -238,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_demo)
+
+    add_bench_parser(sub)  # `kvbridge bench`: options and logic live in kvbridge/bench/
     return parser
 
 

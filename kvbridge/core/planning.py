@@ -6,13 +6,21 @@ generic pass then merges descriptors adjacent on both sides. When both sides use
 block size the unit is one kernel block; when they differ it is their greatest common divisor in
 tokens, which assumes token-major blocks (``[tokens, heads, head_dim]``), the layout of every
 paged kernel kvbridge supports.
+
+The merged plan is defined as that pass leaves it: maximal runs sorted by source. Getting there
+costs time linear in the request in the common cases, because an address is affine in the block
+id: units that every block moves contiguously are fused before any per-block array exists, runs
+of consecutive blocks are found once per group on the block ids rather than per region, each
+region's runs are listed by address so regions laid out in order need no sort, and destination
+overlap is ruled out from per-region extents when they are disjoint. Whatever these shortcuts
+cannot decide falls back to building every descriptor, sorting and checking them one by one.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +33,10 @@ from kvbridge.core.layout import GroupRegions, Layout
 from kvbridge.core.transport import AddrArray, TransferOp
 
 BlockIds = Mapping[int, object]
+IdArray = npt.NDArray[np.int64]  # block ids, and addresses before they become uint64
+#: One group's regions on both sides and the aligned block ids to move between them.
+_GroupPair = tuple[GroupRegions, GroupRegions, IdArray, IdArray]
+_NO_EXTENTS = np.empty((0, 2), dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -103,24 +115,42 @@ class _Axes:
         return table.reshape((1, blocks, units, 1) if self.parts_inner else (1, 1, blocks, units))
 
 
-def _side_addresses(
-    group: CacheGroup,
-    arrays: dict[str, npt.NDArray[np.int64]],
-    ids: npt.NDArray[np.int64],
-    unit: int,
-    axes: _Axes,
-) -> npt.NDArray[np.int64]:
-    """Addresses of every unit of every block of every region on one side."""
+@dataclass(frozen=True)
+class _GroupDescriptors:
+    """One group's descriptors, possibly merged in part already, and what they prove.
+
+    ``count`` is the number before any merging. ``dst_extents`` (``[rows, 2]``: start, end),
+    when set, bounds each region's destination bytes, and each region's blocks are known not to
+    overlap one another: extents that do not overlap then prove the destinations disjoint.
+    """
+
+    src: IdArray
+    dst: IdArray
+    lengths: IdArray
+    count: int
+    dst_extents: IdArray | None = None
+
+
+def _side_offsets(
+    group: CacheGroup, arrays: dict[str, npt.NDArray[np.int64]], unit: int, axes: _Axes
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """One side's addresses as ``offsets + block_id * step``.
+
+    ``offsets`` is the address of every unit of every region for block id 0 (block axis of size
+    one) and ``step`` the bytes from one logical block to the next, per region. An address is
+    affine in the block id, so the units' pattern can be examined (and collapsed) once for every
+    block before any per-block array is built.
+    """
     base, stride = axes.region(arrays["base"]), axes.region(arrays["stride"])
     if not group.kind.paged:
-        slots: npt.NDArray[np.int64] = base + axes.block(ids) * stride
-        return slots
+        return base, stride
     kernel = group.kernel_size
     tokens = np.arange(0, group.block_size, unit, dtype=np.int64)
-    kernel_ids = axes.blocks_by_units(ids[:, None] * group.ratio + (tokens // kernel)[None, :])
+    first_kernel = axes.blocks_by_units((tokens // kernel)[None, :])
     within = axes.unit(tokens % kernel) * axes.region(arrays["length"] // kernel)
-    addrs: npt.NDArray[np.int64] = base + kernel_ids * stride + within
-    return addrs
+    offsets: npt.NDArray[np.int64] = base + first_kernel * stride + within
+    step: npt.NDArray[np.int64] = stride * group.ratio
+    return offsets, step
 
 
 def _kv_in_one_block(arrays: dict[str, npt.NDArray[np.int64]]) -> bool:
@@ -130,12 +160,93 @@ def _kv_in_one_block(arrays: dict[str, npt.NDArray[np.int64]]) -> bool:
     return bool(np.all(pairs[:, 1] == pairs[:, 0] + lengths[:, 0]))
 
 
+def _collapse_units(
+    arrays: tuple[npt.NDArray[np.int64], ...], inner: int
+) -> tuple[npt.NDArray[np.int64], ...]:
+    """Fuse the trailing ``inner`` axes (those after the block axis) where they are contiguous.
+
+    ``arrays`` are ``(src offsets, src step, dst offsets, dst step, lengths)`` of one shape.
+    When every unit (and K|V part) of a block follows the previous one on both sides, and each
+    side moves them from block to block by the same step (so what holds for block 0 holds for
+    every block), the in-order merge would join them anyway; fusing them here, once for every
+    block, spares building and merging descriptors that cannot survive. Tries all trailing axes
+    first, then fewer; returns the arrays unchanged when none is contiguous everywhere.
+    """
+    shape = arrays[0].shape
+    for k in range(inner, 0, -1):
+        outer, fused = shape[:-k], math.prod(shape[-k:])
+        if fused <= 1:
+            continue
+        s, s_step, d, d_step, n = (a.reshape(*outer, fused) for a in arrays)
+        ends = n[..., :-1]
+        if (
+            np.array_equal(s[..., 1:], s[..., :-1] + ends)
+            and np.array_equal(d[..., 1:], d[..., :-1] + ends)
+            and bool(np.all(s_step[..., 1:] == s_step[..., :1]))
+            and bool(np.all(d_step[..., 1:] == d_step[..., :1]))
+        ):
+            keep = (*outer, *([1] * k))
+            total = n.sum(axis=-1, keepdims=True, dtype=np.int64)
+            return tuple(a[..., :1].reshape(keep) for a in (s, s_step, d, d_step, total))
+    return arrays
+
+
+def _merge_rows(
+    rows: tuple[npt.NDArray[np.int64], ...],
+    src_ids: npt.NDArray[np.int64],
+    dst_ids: npt.NDArray[np.int64],
+    sort_runs: bool,
+) -> _GroupDescriptors | None:
+    """The in-order merge of a group whose blocks are one descriptor each, done on block ids.
+
+    ``rows`` holds one value per region (row) of offsets, steps and lengths. When every row
+    steps from block to block alike, whether block ``b+1`` continues block ``b`` depends on the
+    ids alone: the runs are found once for all rows, and only each run's first descriptor is
+    ever built. Rows that step differently return ``None`` (the caller builds every descriptor).
+
+    With ``sort_runs`` each row lists its runs by source address instead of request order. The
+    merged plan is the same (maximal runs sorted by source, which are unique when sources do
+    not overlap), but regions laid out one after another then come out sorted already, which
+    spares ``merge_descriptors`` its sort.
+    """
+    s_off, s_step, d_off, d_step, lengths = (a.reshape(-1) for a in rows)
+    keys = set(zip(s_step.tolist(), d_step.tolist(), lengths.tolist(), strict=True))
+    if len(keys) != 1:
+        return None
+    ss, ds, length = keys.pop()
+    joins = (np.diff(src_ids) * ss == length) & (np.diff(dst_ids) * ds == length)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))[: src_ids.size]
+    blocks = np.diff(np.append(starts, src_ids.size))
+    if sort_runs and ss > 0:
+        by_address = np.argsort(src_ids[starts], kind="stable")
+        starts, blocks = starts[by_address], blocks[by_address]
+    s: npt.NDArray[np.int64] = s_off[:, None] + (src_ids[starts] * ss)[None, :]
+    d: npt.NDArray[np.int64] = d_off[:, None] + (dst_ids[starts] * ds)[None, :]
+    n = np.broadcast_to((blocks * length)[None, :], s.shape)
+    extents = None
+    if 0 < length <= ds and dst_ids.size:
+        # Distinct ids (checked) a step apart, each block no longer than the step: a region's
+        # blocks never overlap, and all of them lie between its lowest and highest block.
+        low, high = int(dst_ids.min()) * ds, int(dst_ids.max()) * ds + length
+        extents = np.stack([d_off + low, d_off + high], axis=1)
+    return _GroupDescriptors(s.reshape(-1), d.reshape(-1), n.reshape(-1), 0, extents)
+
+
 def _plan_group(
     src: GroupRegions,
     dst: GroupRegions,
     src_ids: npt.NDArray[np.int64],
     dst_ids: npt.NDArray[np.int64],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    *,
+    collapse: bool,
+    sort_runs: bool = False,
+) -> _GroupDescriptors:
+    """One group's descriptors and how many there are before any merging.
+
+    With ``collapse`` units that the in-order merge would join anyway are fused first, and
+    blocks too when that can be done on block ids (``_merge_rows``), so the arrays may be
+    shorter than the count; ``sort_runs`` then lists each region's runs by address.
+    """
     # Pair regions by key: the two sides may list layers in different orders.
     order = {key: i for i, key in enumerate(src.keys)}
     pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
@@ -146,14 +257,29 @@ def _plan_group(
     parts = 2 if src.group.kind in (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW) else 1
     inner = parts == 2 and _kv_in_one_block(src_arrays) and _kv_in_one_block(dst_arrays)
     axes = _Axes(parts, inner)
-    s = _side_addresses(src.group, src_arrays, src_ids, unit, axes)
-    d = _side_addresses(dst.group, dst_arrays, dst_ids, unit, axes)
+    s_off, s_step = _side_offsets(src.group, src_arrays, unit, axes)
+    d_off, d_step = _side_offsets(dst.group, dst_arrays, unit, axes)
     if src.group.kind.paged:
         unit_len = dst_arrays["length"] // dst.group.kernel_size * unit
     else:
         unit_len = dst_arrays["length"]
-    lengths = np.broadcast_to(axes.region(unit_len), d.shape)
-    return s.reshape(-1), d.reshape(-1), lengths.reshape(-1)
+    lengths = axes.region(unit_len)
+    shape = np.broadcast_shapes(s_off.shape, d_off.shape, lengths.shape)
+    arrays = tuple(np.broadcast_to(a, shape) for a in (s_off, s_step, d_off, d_step, lengths))
+    count = math.prod(shape) * int(dst_ids.size)
+    if collapse:
+        # Axes after the block axis: [unit, part] with parts inner, else [unit].
+        inner_axes = 2 if inner else 1
+        arrays = _collapse_units(arrays, inner_axes)
+        if math.prod(arrays[0].shape[-inner_axes:]) == 1:
+            merged = _merge_rows(arrays, src_ids, dst_ids, sort_runs)
+            if merged is not None:
+                return replace(merged, count=count)
+    s_off, s_step, d_off, d_step, lengths = arrays
+    s = s_off + axes.block(src_ids) * s_step
+    d = d_off + axes.block(dst_ids) * d_step
+    lengths = np.broadcast_to(lengths, d.shape)
+    return _GroupDescriptors(s.reshape(-1), d.reshape(-1), lengths.reshape(-1), count)
 
 
 def merge_descriptors(
@@ -172,9 +298,23 @@ def merge_descriptors(
     # Merging in the given order first is cheap and usually leaves few runs to sort.
     s, d, n = _merge_in_order(s, d, n)
     if not bool(np.all(s[1:] >= s[:-1])):
-        order = np.argsort(s, kind="stable")
+        order = _argsort(s)
         s, d, n = _merge_in_order(s[order], d[order], n[order])
     return s, d, n
+
+
+def _argsort(values: AddrArray) -> npt.NDArray[np.intp]:
+    """The stable sorting permutation of ``values``, found with numpy's fastest sort.
+
+    Distinct keys have only one sorting permutation, so the unstable (vectorised) sort gives
+    the stable result then, several times faster; ties, which plans do not have unless two
+    descriptors read the same bytes, fall back to the stable sort.
+    """
+    order = np.argsort(values)
+    ordered = values[order]
+    if bool(np.any(ordered[1:] == ordered[:-1])):
+        order = np.argsort(values, kind="stable")
+    return order
 
 
 def _merge_in_order(
@@ -187,12 +327,27 @@ def _merge_in_order(
     if not joins.any():
         return src, dst, lengths
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return src[starts], dst[starts], np.add.reduceat(lengths, starts).astype(np.uint64)
+    return src[starts], dst[starts], np.add.reduceat(lengths, starts).astype(np.uint64, copy=False)
+
+
+def _disjoint_extents(extents: IdArray) -> bool:
+    """Whether no two ``[start, end)`` rows overlap (a few hundred regions: cheap)."""
+    ordered = extents[np.argsort(extents[:, 0], kind="stable")]
+    return bool(np.all(ordered[1:, 0] >= ordered[:-1, 1]))
 
 
 def _check_disjoint(addrs: AddrArray, lengths: AddrArray, side: str) -> None:
-    order = np.argsort(addrs, kind="stable")
-    a, n = addrs[order], lengths[order]
+    a, n = addrs, lengths
+    if not bool(np.all(a[1:] >= a[:-1])):
+        # Ranges of positive length are disjoint exactly when, with starts and ends sorted
+        # separately, no end passes the next start: two plain sorts, no permutation to apply.
+        # Only a plan that fails this pays for the stable sort that names the first overlap.
+        if bool(np.all(n > 0)):
+            starts, ends = np.sort(a), np.sort(a + n)
+            if bool(np.all(ends[:-1] <= starts[1:])):
+                return
+        order = np.argsort(a, kind="stable")
+        a, n = a[order], n[order]
     overlap = np.flatnonzero(a[:-1] + n[:-1] > a[1:])
     if overlap.size:
         i = int(overlap[0])
@@ -230,31 +385,61 @@ def plan_transfers(
     if unknown:
         raise BlockIdError(f"block ids name group(s) {sorted(unknown)}, which the layout lacks")
 
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    stats: list[GroupPlanStats] = []
+    pairs: list[_GroupPair] = []
     for index in sorted(dst_block_ids):
         sg, dg = src.group_regions[index], dst.group_regions[index]
         d_ids = prepare_block_ids(dg.group, dst_block_ids[index], "destination")
         s_ids = align_block_ids(
             prepare_block_ids(sg.group, src_block_ids[index], "source"), d_ids, index
         )
-        s, d, n = _plan_group(sg, dg, s_ids, d_ids)
-        parts.append((s, d, n))
+        pairs.append((sg, dg, s_ids, d_ids))
+    plan, extents = _plan_pairs(pairs, merge, sort_runs=merge)
+    if merge and plan.count > 1 and bool(np.any(plan.src[:-1] + plan.lengths[:-1] > plan.src[1:])):
+        # Sources that overlap (two groups reading the same block) make the result depend on
+        # the order runs are merged in: redo it in plain emission order, as defined.
+        plan, extents = _plan_pairs(pairs, merge, sort_runs=False)
+    if check and plan.count > 1 and not (extents is not None and _disjoint_extents(extents)):
+        _check_disjoint(plan.dst, plan.lengths, "destination")
+    return plan
+
+
+def _writable(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    return values if values.flags.writeable else values.copy()
+
+
+def _plan_pairs(
+    pairs: list[_GroupPair],
+    merge: bool,
+    *,
+    sort_runs: bool,
+) -> tuple[TransferPlan, IdArray | None]:
+    """Descriptors of every group, concatenated and (with ``merge``) merged.
+
+    Also every region's destination extent when each group could give one (else ``None``).
+    """
+    parts: list[_GroupDescriptors] = []
+    stats: list[GroupPlanStats] = []
+    for sg, dg, s_ids, d_ids in pairs:
+        part = _plan_group(sg, dg, s_ids, d_ids, collapse=merge, sort_runs=sort_runs)
+        parts.append(part)
         stats.append(
             GroupPlanStats(
-                index, dg.group.kind, len(dg.regions), int(d_ids.size), int(n.size), int(n.sum())
+                dg.group.index, dg.group.kind, len(dg.regions), int(d_ids.size), part.count,
+                int(part.lengths.sum()),
             )
-        )
+        )  # fmt: skip
     if parts:
         # Addresses are computed in int64 (numpy's index type) and reinterpreted, not copied.
-        s_all = np.concatenate([p[0] for p in parts]).view(np.uint64)
-        d_all = np.concatenate([p[1] for p in parts]).view(np.uint64)
-        n_all = np.concatenate([p[2] for p in parts]).view(np.uint64)
+        # One group's arrays need no concatenation (a copy), unless they are read-only views.
+        s_all, d_all, n_all = (
+            (_writable(arrays[0]) if len(parts) == 1 else np.concatenate(arrays)).view(np.uint64)
+            for arrays in zip(*((p.src, p.dst, p.lengths) for p in parts), strict=True)
+        )
     else:
         s_all = d_all = n_all = np.empty(0, dtype=np.uint64)
-    unmerged = int(n_all.size)
     if merge:
         s_all, d_all, n_all = merge_descriptors(s_all, d_all, n_all)
-    if check and n_all.size > 1:
-        _check_disjoint(d_all, n_all, "destination")
-    return TransferPlan(s_all, d_all, n_all, unmerged, tuple(stats))
+    unmerged = sum(p.count for p in parts)
+    extents = [p.dst_extents for p in parts if p.dst_extents is not None]
+    proof = np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
+    return TransferPlan(s_all, d_all, n_all, unmerged, tuple(stats)), proof

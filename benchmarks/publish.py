@@ -1,0 +1,232 @@
+"""Run the published benchmark and regenerate its charts and the README's results section.
+
+    .venv/bin/python benchmarks/publish.py                 # run, then write docs/ and README
+    .venv/bin/python benchmarks/publish.py --from-json docs/bench-results.json   # redraw only
+
+``make bench-docs`` runs the first form. The run is ``kvbridge bench`` with ``BENCH_ARGS``; its
+JSON goes to ``docs/bench-results.json``, the charts to ``docs/bench-planning.png`` and
+``docs/bench-transfer.png``, and the README's last section, ``## Benchmark results``, is replaced
+(or appended) with the tables, the exact command and the charts. Needs matplotlib (the ``bench``
+extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+HEADING = "## Benchmark results"
+#: More repetitions than the default: the machine is shared and noisy (see the README).
+BENCH_ARGS = ["bench", "--reps", "16"]
+
+
+def run_bench(output: Path) -> dict[str, Any]:
+    """Run ``kvbridge bench`` (progress on stderr) and load the JSON it writes."""
+    command = [sys.executable, "-m", "kvbridge.cli", *BENCH_ARGS, "--json", "--output", str(output)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    doc: dict[str, Any] = json.loads(output.read_text())
+    return doc
+
+
+def planning_chart(doc: dict[str, Any], path: Path) -> None:
+    """Planning time against request size, one panel per block-id pattern, a line per shape."""
+    import matplotlib.pyplot as plt
+
+    rows = doc["planning"]["results"]
+    patterns = doc["planning"]["settings"]["patterns"]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, axes = plt.subplots(1, len(patterns), figsize=(4.2 * len(patterns), 3.8), sharey=True)
+    for ax, pattern in zip(np.atleast_1d(axes), patterns, strict=True):
+        for case in cases:
+            mine = sorted(
+                (r["prompt_tokens"], r["median_ms"])
+                for r in rows
+                if r["case"] == case and r["pattern"] == pattern
+            )
+            ax.plot(*zip(*mine, strict=True), marker="o", label=case)
+        tokens = sorted({r["prompt_tokens"] for r in rows})
+        if len(tokens) > 1:  # a slope-1 guide through the largest llama-like point
+            top = max(r["median_ms"] for r in rows if r["pattern"] == pattern)
+            guide = [top * t / tokens[-1] for t in tokens]
+            ax.plot(tokens, guide, color="grey", linestyle=":", label="linear")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{pattern} block ids")
+        ax.set_xlabel("prompt tokens")
+        ax.grid(True, which="both", alpha=0.3)
+    first = np.atleast_1d(axes)[0]
+    first.set_ylabel("plan_transfers median (ms)")
+    first.legend(fontsize=8)
+    fig.suptitle("kvbridge: time to plan one request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def transfer_chart(doc: dict[str, Any], path: Path) -> None:
+    """Throughput per transport and shape, each way of moving the request side by side."""
+    import matplotlib.pyplot as plt
+
+    rows = doc["transfer"]["results"]
+    transports = list(dict.fromkeys(r["transport"] for r in rows))
+    modes = ["memcpy", "raw", "kvbridge", "transport"]
+    labels = {
+        "memcpy": "memcpy (one process)",
+        "raw": "raw engine call",
+        "kvbridge": "kvbridge end to end",
+        "transport": "kvbridge, no control plane",
+    }
+    fig, axes = plt.subplots(
+        1, len(transports), figsize=(5.5 * len(transports), 3.8), sharey=True, squeeze=False
+    )
+    width = 0.8 / len(modes)
+    for ax, transport in zip(axes[0], transports, strict=True):
+        mine = [r for r in rows if r["transport"] == transport]
+        x = np.arange(len(mine))
+        for i, mode in enumerate(modes):
+            values, low, high = [], [], []
+            for r in mine:
+                rates = [r["bytes"] / s / 1e9 for s in r["seconds"].get(mode, [])]
+                mid = float(np.median(rates)) if rates else 0.0
+                q1, q3 = np.percentile(rates, [25, 75]) if rates else (0.0, 0.0)
+                values.append(mid)
+                low.append(mid - q1)
+                high.append(q3 - mid)
+            ax.bar(
+                x + (i - (len(modes) - 1) / 2) * width, values, width, yerr=[low, high],
+                capsize=2, label=labels[mode],
+            )  # fmt: skip
+        ax.set_xticks(x, [r["case"] for r in mine], rotation=15, fontsize=8)
+        ax.set_title(f"{transport} (two processes, 127.0.0.1)")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("GB/s (median, bars: interquartile range)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Moving one request (~256 MiB): kvbridge beside the raw engine and memcpy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def readme_section(doc: dict[str, Any]) -> str:
+    """The ``## Benchmark results`` section: command, machine, charts, tables, targets."""
+    from kvbridge.bench.report import growth_grid, planning_grid, targets, transfer_grid
+
+    m = doc["machine"]
+    parts = [
+        HEADING,
+        "",
+        "One run of `kvbridge bench` on the development machine "
+        f"({m['cpus']} CPUs, {m['platform']}, Python {m['python']}, numpy {m['numpy']}; a shared "
+        "VM, so timings vary by up to 2x between runs). It was produced by",
+        "",
+        "```sh",
+        doc["command"],
+        "```",
+        "",
+        "and `make bench-docs` reruns it and regenerates this section, "
+        "`docs/bench-results.json` and the charts.",
+        "",
+        "### Planning",
+        "",
+        "![planning time against request size](docs/bench-planning.png)",
+        "",
+        growth_grid(doc["planning"]).markdown(),
+        "",
+        planning_grid(doc["planning"]).markdown(),
+        "",
+    ]
+    if doc.get("transfer"):
+        parts += [
+            "### Transfer",
+            "",
+            "![throughput per transport](docs/bench-transfer.png)",
+            "",
+            transfer_grid(doc["transfer"]).markdown(),
+            "",
+        ]
+    parts += ["### Targets", "", *[f"- {line}" for line in targets(doc)], "", NOTES]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+#: What the numbers mean, written once; they do not change from run to run.
+NOTES = """\
+### Reading the results
+
+- **Planning grows linearly with the request, or slower.** An address is
+  `offset + block_id * step`, so the planner fuses what every block moves contiguously (the
+  kernel blocks of a logical block, K|V halves) before it builds any per-block array, finds runs
+  of consecutive blocks once per group on the block ids, lists each region's runs by address
+  (regions laid out in order then need no sort) and rules out destination overlap from
+  per-region extents. What these shortcuts cannot decide falls back to building, sorting and
+  checking every descriptor, with the same result. Below ~32k tokens fixed costs per request
+  (compatibility check, id validation, a few numpy calls per group) dominate, hence exponents
+  under 1. The hybrid's cost hardly moves: a 544-token block is one descriptor per attention
+  layer (its 34 kernel blocks and K|V halves lie end to end), so even 128k tokens make only 244
+  blocks. Fully fragmented ids are the worst case: nothing merges across
+  blocks, so the plan keeps one descriptor per block and region (1.3 M for 128k tokens of
+  Llama-3-70B) and the time is memory traffic, ~20 ns per descriptor.
+- **kvbridge beside the raw engine.** Both run in the same two processes on the same
+  descriptors, in balanced orders. What kvbridge adds is fixed per request: planning (1-2 ms
+  here) and the control plane's two round trips, pull start and release (about 1 ms with
+  Mooncake); for a 256 MiB request over Mooncake that is 1-3 %. On this shared 2-core VM
+  single repetitions vary by up to 2x (see the interquartile bars), so ratios within ~5 % of 1
+  are within noise, and a rerun moves them by that much.
+- **NIXL on two cores.** NIXL's Python `nixl_agent` starts its progress thread with
+  `pthrDelay = 0` (hard-coded), so every process holding an agent keeps a core busy even when
+  idle. With a prefill and a decode process that is both cores of this machine: memcpy in the
+  NIXL processes falls to a fifth to a third of what it reaches in the Mooncake ones; kvbridge's
+  threads, which sleep while they wait (the transport's poll backs off to 2 ms; the control
+  plane hands work between threads and processes), wait for a core each time they wake, while
+  the raw loop spins. Hence NIXL's lower kvbridge/raw ratios and a control plane taking 4-10 ms
+  instead of ~1 ms. Measured once, as an experiment, with the agents' delay set to 100 us
+  (which neither NIXL's Python API nor kvbridge's transport does today): an idle agent's CPU
+  fell from a full core to ~2 %; the raw call moved the Llama and hybrid requests at 4.5 GB/s
+  instead of ~1.8, kvbridge's transfer matched it (100-103 %) and its control plane took
+  1.6 ms. End to end kvbridge then reached 92-95 %: at 60 ms per request, the fixed 3-4 ms of
+  planning and round trips are 6-7 %.
+- **memcpy** copies the same descriptors inside one process: the ceiling of this machine's
+  memory for that access pattern. Loopback TCP (Mooncake) reaches a fifth to a third of it;
+  UCX's kernel copy between processes (NIXL, `cma`) reaches ~80 % of a memcpy slowed down by
+  the spinning progress threads, and ~78 % of an unhindered one in the experiment above.
+"""
+
+
+def write_readme(section: str) -> None:
+    """Replace the README's last section (from ``HEADING`` to the end), or append it."""
+    text = README.read_text()
+    at = text.find(f"\n{HEADING}\n")
+    head = text if at < 0 else text[: at + 1]
+    README.write_text(head.rstrip("\n") + "\n\n" + section)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from-json", type=Path, help="redraw from a results file, no run")
+    args = parser.parse_args()
+    DOCS.mkdir(exist_ok=True)
+    results = DOCS / "bench-results.json"
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+        if args.from_json.resolve() != results.resolve():
+            results.write_text(json.dumps(doc, indent=1) + "\n")
+    else:
+        doc = run_bench(results)
+    planning_chart(doc, DOCS / "bench-planning.png")
+    if doc.get("transfer"):
+        transfer_chart(doc, DOCS / "bench-transfer.png")
+    write_readme(readme_section(doc))
+    print(f"wrote {results.relative_to(ROOT)}, the charts in docs/ and {README.name}'s {HEADING!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""``kvbridge bench``: planning cost and transfer throughput, with a table or JSON at the end.
+
+``kvbridge bench planning`` times planning one request per model shape, request size and
+block-id pattern; ``kvbridge bench transfer`` moves a request between two processes through
+every usable transport, beside the raw engine call and memcpy; ``kvbridge bench`` runs both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import kvbridge
+from kvbridge.bench.cases import CASES, PATTERN_HELP, PATTERNS
+from kvbridge.bench.report import grids, targets
+from kvbridge.core.registry import available_transports
+
+DEFAULT_TOKENS = (1024, 8192, 32768, 131072)
+
+
+class BenchUsageError(ValueError):
+    """Options that cannot run (an unknown shape, an unusable transport)."""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on the ``kvbridge`` command's subparsers."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench",
+        help="benchmark planning and transfers (progress bar, table or --json at the end)",
+        description=(__doc__ or "").replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "what", nargs="?", choices=["all", "planning", "transfer"], default="all",
+        help="which benchmark to run (default: both)",
+    )  # fmt: skip
+    p.add_argument(
+        "--shapes", nargs="+", default=list(CASES), metavar="SHAPE",
+        help=f"model shapes (default: all): {', '.join(CASES)}",
+    )  # fmt: skip
+    p.add_argument(
+        "--layers", type=int, default=None, metavar="N",
+        help="keep only the first N layers of each model (quicker, smaller runs)",
+    )  # fmt: skip
+    plan = p.add_argument_group("planning")
+    plan.add_argument(
+        "--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), metavar="N",
+        help="prompt lengths to plan (default: 1k 8k 32k 128k)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS), help=PATTERN_HELP
+    )
+    plan.add_argument(
+        "--plan-runs", type=int, default=7, metavar="N",
+        help="timed runs per measurement, at least (default 7)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--plan-seconds", type=float, default=0.3, metavar="S",
+        help="keep timing a measurement while S seconds last (default 0.3; at most 200 runs)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--reference-tokens", type=int, default=1024, metavar="N",
+        help="time the slow reference planner on requests up to N tokens (default 1024; 0: never)",
+    )  # fmt: skip
+    move = p.add_argument_group("transfer")
+    move.add_argument(
+        "--transports", nargs="+", default=None, metavar="NAME",
+        help="transports to measure (default: every installed, usable one)",
+    )  # fmt: skip
+    move.add_argument(
+        "--transfer-mib", type=float, default=256, metavar="MIB",
+        help="size of the request moved, in MiB (default 256)",
+    )  # fmt: skip
+    move.add_argument(
+        "--reps", type=int, default=8, metavar="N",
+        help="timed repetitions of each way of moving it, after a verified warm-up (default 8)",
+    )  # fmt: skip
+    move.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the results as JSON, no tables")
+    out.add_argument("--output", type=Path, default=None, help="also write the JSON to a file")
+    out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _machine() -> dict[str, Any]:
+    import numpy
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+    }
+
+
+def _transports(requested: Sequence[str] | None) -> tuple[list[str], list[dict[str, str]]]:
+    """Transports to measure, and those installed but skipped with the reason."""
+    infos = {info.name: info for info in available_transports()}
+    if requested is None:
+        usable = [name for name, info in infos.items() if info.usable]
+        skipped = [{"name": n, "reason": i.reason} for n, i in infos.items() if not i.usable]
+        return usable, skipped
+    for name in requested:
+        info = infos.get(name)
+        if info is None:
+            raise BenchUsageError(
+                f"no transport named {name!r}; installed: {', '.join(infos) or 'none'}"
+            )
+        if not info.usable:
+            raise BenchUsageError(f"transport {name!r} is not usable: {info.reason}")
+    return list(requested), []
+
+
+def _check(args: argparse.Namespace) -> None:
+    unknown = [s for s in args.shapes if s not in CASES]
+    if unknown:
+        raise BenchUsageError(f"unknown shape(s) {unknown}; choose from {', '.join(CASES)}")
+    if any(t < 1 for t in args.tokens) or args.plan_runs < 1 or args.reps < 1:
+        raise BenchUsageError("--tokens, --plan-runs and --reps must be positive")
+    if args.plan_seconds < 0:
+        raise BenchUsageError("--plan-seconds must not be negative")
+    if args.layers is not None and args.layers < 1:
+        raise BenchUsageError("--layers must be positive")
+    if args.transfer_mib <= 0:
+        raise BenchUsageError("--transfer-mib must be positive")
+
+
+@contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr (stdout stays for the tables or JSON); ``advance(what)``."""
+    console = Console(stderr=True)
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=not (enabled and console.is_terminal), transient=True,
+    )  # fmt: skip
+    task = bar.add_task("kvbridge bench", total=total)
+    started = False
+
+    def advance(what: str) -> None:
+        nonlocal started
+        if started:
+            bar.advance(task)
+        started = True
+        bar.update(task, description=what)
+
+    with bar:
+        yield advance
+        bar.update(task, completed=total)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that repeats this run, every option spelled out."""
+    words = ["kvbridge", "bench", args.what, "--shapes", *args.shapes]
+    if args.layers is not None:
+        words += ["--layers", str(args.layers)]
+    if args.what in ("all", "planning"):
+        words += ["--tokens", *map(str, args.tokens), "--patterns", *args.patterns]
+        words += ["--plan-runs", str(args.plan_runs), "--plan-seconds", f"{args.plan_seconds:g}"]
+        words += ["--reference-tokens", str(args.reference_tokens)]
+    if args.what in ("all", "transfer"):
+        if args.transports is not None:
+            words += ["--transports", *args.transports]
+        words += ["--transfer-mib", f"{args.transfer_mib:g}", "--reps", str(args.reps)]
+    return shlex.join(words)
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run what ``args`` asks for; the results document (what ``--json`` prints)."""
+    from kvbridge.bench.planning import run_planning
+    from kvbridge.bench.transfer import TransferSettings, run_transfer, transfer_steps
+
+    _check(args)
+    doc: dict[str, Any] = {
+        "kvbridge": kvbridge.__version__,
+        "command": command_line(args),
+        "machine": _machine(),
+        "planning": None,
+        "transfer": None,
+    }
+    total = 0
+    if args.what in ("all", "planning"):
+        total += len(args.shapes) * len(args.tokens) * len(args.patterns)
+    settings = None
+    if args.what in ("all", "transfer"):
+        names, skipped = _transports(args.transports)
+        doc["skipped_transports"] = skipped
+        settings = TransferSettings(
+            transports=names, cases=list(args.shapes), target_mib=args.transfer_mib,
+            reps=args.reps, num_layers=args.layers, timeout=args.timeout,
+        )  # fmt: skip
+        total += transfer_steps(settings)
+    with _progress(total, enabled=True) as advance:
+        if args.what in ("all", "planning"):
+            doc["planning"] = run_planning(
+                args.shapes, args.tokens, args.patterns, num_layers=args.layers,
+                min_runs=args.plan_runs, budget_s=args.plan_seconds,
+                reference_tokens=args.reference_tokens, advance=advance,
+            )  # fmt: skip
+        if settings is not None:
+            doc["transfer"] = run_transfer(settings, advance)
+    return doc
+
+
+def print_results(doc: dict[str, Any], console: Console, markdown: bool = False) -> None:
+    """The tables and the targets, as rich tables or as Markdown."""
+    for grid in grids(doc):
+        if markdown:
+            print(grid.markdown() + "\n")
+        else:
+            console.print(grid.rich())
+    lines = targets(doc)
+    if markdown:
+        print("\n".join(f"- {line}" for line in lines))
+    elif lines:
+        console.print("\n".join(lines), soft_wrap=True)
+    for s in doc.get("skipped_transports") or []:
+        console.print(f"skipped transport {s['name']}: {s['reason']}", soft_wrap=True)
+
+
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    """The ``kvbridge bench`` command."""
+    from kvbridge.bench.transfer import BenchError
+
+    try:
+        doc = run_bench(args)
+    except (BenchUsageError, BenchError) as err:
+        from kvbridge.cli import CliError
+
+        raise CliError(str(err)) from None
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print_results(doc, console, markdown=args.markdown)
+    return 0
