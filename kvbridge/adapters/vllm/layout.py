@@ -1,0 +1,253 @@
+"""vLLM's KV cache (``KVCacheConfig`` plus the registered tensors) as a core ``LayoutSpec``.
+
+vLLM 0.32 allocates one int8 backing buffer for every cache group and hands the connector one
+view per layer, shaped ``[B*ratio, H, N, C]`` (kernel blocks, head slots, tokens per kernel
+block, content). Attention views are cast to the cache dtype, so ``C`` is ``head_size +
+head_size_v`` elements; Mamba/GDN views stay int8 ``[B, 1, 1, page]`` with the layer's states
+(conv, ssm, ...) packed one after the other in each page. Groups overlay the same buffer: a block
+id is owned by one group at a time. Everything below is read from the tensors' ``data_ptr()``,
+``stride()`` and ``shape``, never assumed from a layout name.
+
+How ``C`` is split into K and V is the attention backend's business. vLLM's CPU backend reads a
+head's slice of a kernel block ``[N, C]`` as K for its N tokens, then V for them (``[2, N, D]``);
+CUDA FlashAttention reads each ``C`` cell as ``[K | V]`` of one token. We describe every head of a
+layer as its own cache tensor whose "K" and "V" are the two halves of that head's slice. Both
+sides moving the same halves is byte-exact whatever the backend means by them, as long as both
+sides use the same kernel block size. When the kernel sizes differ, the core splits a block into
+token units, which is only right when each half is token-major (the CPU backend); for any other
+backend the kernel block size is put into the tensor name, so a mismatch is refused by the
+handshake's compatibility check instead of moving wrong bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvbridge.core.errors import LayoutError
+from kvbridge.core.groups import CacheGroup, GroupKind
+from kvbridge.core.layout import CacheTensor, KVLayout, LayoutSpec
+
+#: Head slices of attention blocks hold ``[K: N x D][V: N x D]`` (vLLM's CPU backend).
+SPLIT_HEAD_KV = "head_kv"
+#: The meaning of a head slice is unknown: move it whole, only between equal kernel sizes.
+SPLIT_OPAQUE = "opaque"
+
+
+def _spec_of(group_spec: Any, layer_name: str) -> Any:
+    """The layer's own spec (``UniformTypeKVCacheSpecs`` keeps one per layer)."""
+    per_layer = getattr(group_spec, "kv_cache_specs", None)
+    if isinstance(per_layer, Mapping):
+        return per_layer[layer_name]
+    return group_spec
+
+
+def group_kind(spec: Any) -> GroupKind:
+    """The core group kind of a vLLM cache spec (subclasses are checked before their bases)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    if isinstance(per_layer, Mapping):
+        kinds = {group_kind(s) for s in per_layer.values()}
+        if len(kinds) != 1:
+            raise LayoutError(f"a cache group mixes layer kinds {sorted(k.value for k in kinds)}")
+        return kinds.pop()
+    if isinstance(spec, MLAAttentionSpec):
+        return GroupKind.MLA
+    if isinstance(spec, SlidingWindowSpec):
+        return GroupKind.SLIDING_WINDOW
+    if isinstance(spec, FullAttentionSpec):
+        # With the hybrid allocator off, sliding-window layers come as FullAttentionSpec with
+        # `sliding_window` set and blocks for every token: move them as full attention.
+        return GroupKind.ATTENTION
+    if isinstance(spec, MambaSpec):
+        return GroupKind.STATE
+    raise LayoutError(
+        f"vLLM cache spec {type(spec).__name__} is not supported by kvbridge "
+        "(supported: FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec, MambaSpec)"
+    )
+
+
+def state_tensor_names(count: int) -> list[str]:
+    """Names of a Mamba/GDN layer's state tensors: ``conv``/``ssm`` for the usual pair."""
+    return ["conv", "ssm"] if count == 2 else [f"state{i}" for i in range(count)]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _allocation(tensor: torch.Tensor) -> tuple[int, int]:
+    """Address and size of the storage behind a view: the buffer every group shares."""
+    storage = tensor.untyped_storage()
+    return int(storage.data_ptr()), int(storage.nbytes())
+
+
+def _byte_strides(tensor: torch.Tensor) -> list[int]:
+    return [s * tensor.element_size() for s in tensor.stride()]
+
+
+def _paged_tensors(
+    layer: str, view: torch.Tensor, group: CacheGroup, ratio: int, split: str
+) -> list[CacheTensor]:
+    """Cache tensors of one attention or MLA layer view ``[B*ratio, H, N, C]``."""
+    if view.dim() != 4:
+        raise LayoutError(f"layer {layer!r}: expected a 4-D [B, H, N, C] view, got {view.shape}")
+    _, heads, tokens, content = view.shape
+    s_block, s_head, s_token, s_content = _byte_strides(view)
+    esize = view.element_size()
+    if s_content != esize or s_token != content * esize:
+        raise LayoutError(
+            f"layer {layer!r}: the tokens of a head are not one dense run "
+            f"(shape {tuple(view.shape)}, byte strides {(s_block, s_head, s_token, s_content)})"
+        )
+    head_bytes = tokens * content * esize  # one head's slice of one kernel block
+    alloc_addr, alloc_size = _allocation(view)
+    base = int(view.data_ptr())
+    if group.kind is GroupKind.MLA:
+        if heads != 1:
+            raise LayoutError(f"MLA layer {layer!r} has {heads} head slots, expected 1")
+        return [
+            CacheTensor(
+                layer, group.index, base, s_block * ratio, head_bytes * ratio,
+                alloc_addr=alloc_addr, alloc_size=alloc_size,
+            )
+        ]  # fmt: skip
+    if head_bytes % 2:
+        raise LayoutError(f"layer {layer!r}: a head slice of {head_bytes} bytes has no halves")
+    half = head_bytes // 2
+    tag = "" if split == SPLIT_HEAD_KV else f"@k{group.kernel_size}"
+    return [
+        CacheTensor(
+            layer, group.index, base + h * s_head, s_block * ratio, half * ratio,
+            kv_layout=KVLayout.BLOCKS_FIRST, v_offset=half * ratio, tensor=f"h{h}{tag}",
+            alloc_addr=alloc_addr, alloc_size=alloc_size,
+        )
+        for h in range(heads)
+    ]  # fmt: skip
+
+
+def _state_tensors(
+    layer: str, view: torch.Tensor, spec: Any, group: CacheGroup
+) -> list[CacheTensor]:
+    """One cache tensor per state (conv, ssm, ...) packed in each page of a Mamba/GDN layer."""
+    pages = view.reshape(view.shape[0], -1) if view.dim() != 2 else view
+    if view.dim() == 4 and view.shape[1:3] != (1, 1):
+        raise LayoutError(
+            f"Mamba layer {layer!r}: expected a [B, 1, 1, page] view, got {view.shape}"
+        )
+    if view.element_size() != 1:
+        raise LayoutError(f"Mamba layer {layer!r}: expected a raw int8 page view, got {view.dtype}")
+    page_stride = _byte_strides(view)[0]
+    sizes = [
+        math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+    ]
+    if sum(sizes) > pages.shape[1] * pages.element_size():
+        raise LayoutError(
+            f"Mamba layer {layer!r}: states of {sum(sizes)} bytes exceed its page of "
+            f"{pages.shape[1]} bytes"
+        )
+    alloc_addr, alloc_size = _allocation(view)
+    tensors, offset = [], 0
+    for name, size in zip(state_tensor_names(len(sizes)), sizes, strict=True):
+        tensors.append(
+            CacheTensor(
+                layer, group.index, int(view.data_ptr()) + offset, page_stride, size, tensor=name,
+                alloc_addr=alloc_addr, alloc_size=alloc_size,
+            )
+        )  # fmt: skip
+        offset += size
+    return tensors
+
+
+def build_layout_spec(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    split: str = SPLIT_HEAD_KV,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> LayoutSpec:
+    """The core layout of what a vLLM worker registered.
+
+    ``kv_cache_config`` is vLLM's ``KVCacheConfig``; ``kv_caches`` the dict the model runner
+    passes to ``register_kv_caches`` (layer name → view). A group's index is its index in
+    ``kv_cache_config.kv_cache_groups``, so block-id tuples index it directly; groups that take
+    no part in transfers (``enable_kv_transfer=False``) and layers without a registered view are
+    left out. ``split`` says how attention head slices divide into K and V (see the module doc).
+    """
+    if split not in (SPLIT_HEAD_KV, SPLIT_OPAQUE):
+        raise ValueError(f"split must be {SPLIT_HEAD_KV!r} or {SPLIT_OPAQUE!r}, got {split!r}")
+    groups: list[CacheGroup] = []
+    tensors: list[CacheTensor] = []
+    dtypes: list[str] = []
+    paged_dtypes: list[str] = []
+    num_blocks = int(kv_cache_config.num_blocks)
+    for index, group_spec in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(group_spec, "enable_kv_transfer", True) or getattr(
+            group_spec, "host_resident", False
+        ):
+            continue
+        spec = group_spec.kv_cache_spec
+        kind = group_kind(spec)
+        layers = [name for name in group_spec.layer_names if name in kv_caches]
+        if not layers:
+            continue
+        first = kv_caches[layers[0]]
+        # The kernel ratio comes from the registered view: dim 0 counts kernel blocks.
+        ratio = 1
+        if kind.paged:
+            if first.shape[0] % num_blocks:
+                raise LayoutError(
+                    f"layer {layers[0]!r}: {first.shape[0]} kernel blocks are not a multiple "
+                    f"of the {num_blocks} blocks of the pool"
+                )
+            ratio = first.shape[0] // num_blocks
+        block_size = int(spec.block_size)
+        group = CacheGroup(
+            index=index,
+            kind=kind,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kernel_block_size=block_size // ratio if kind.paged else None,
+            sliding_window=int(spec.sliding_window) if kind is GroupKind.SLIDING_WINDOW else None,
+        )
+        groups.append(group)
+        for layer in layers:
+            view = kv_caches[layer]
+            layer_spec = _spec_of(spec, layer)
+            if kind is GroupKind.STATE:
+                tensors.extend(_state_tensors(layer, view, layer_spec, group))
+                dtypes.extend(_dtype_name(d) for d in layer_spec.dtypes)
+            else:
+                if view.shape[0] != num_blocks * ratio:
+                    raise LayoutError(
+                        f"layer {layer!r}: {view.shape[0]} kernel blocks, the group's first "
+                        f"layer has {num_blocks * ratio}"
+                    )
+                tensors.extend(_paged_tensors(layer, view, group, ratio, split))
+                paged_dtypes.append(_dtype_name(layer_spec.dtype))
+    if not groups:
+        raise LayoutError("vLLM registered no cache tensor that kvbridge can transfer")
+    # The layout's dtype names what the attention caches hold (a STATE-only model: its first
+    # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
+    dtype = next(iter(paged_dtypes or dtypes), "bfloat16")
+    return LayoutSpec(groups=groups, tensors=tensors, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def state_group_indices(kv_cache_config: Any) -> list[int]:
+    """Indices of the groups holding recurrent state (Mamba, GDN)."""
+    return [
+        i
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        if group_kind(g.kv_cache_spec) is GroupKind.STATE
+    ]

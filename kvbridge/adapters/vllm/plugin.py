@@ -1,0 +1,85 @@
+"""vLLM general plugin: registers kvbridge's connectors and asks for AMX tile permission.
+
+vLLM runs every ``vllm.general_plugins`` entry point in each of its processes (engine core and
+workers), which is where both things must happen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import sys
+
+log = logging.getLogger("kvbridge.vllm")
+
+#: The generic connector name; the transport comes from ``kv_connector_extra_config``.
+CONNECTOR_NAME = "KVBridgeConnector"
+_MODULE = "kvbridge.adapters.vllm.connector"
+
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158  # x86-64
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile data, which vLLM's bf16 CPU attention uses without asking.
+
+    Without it, the first AMX instruction in a process that oneDNN did not already enable
+    dies with SIGILL. The grant does not survive exec, hence once per process. A no-op (False)
+    off x86-64 Linux or where the CPU has no AMX.
+    """
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def connector_names() -> dict[str, str | None]:
+    """Connector name → fixed transport (None: chosen by ``kv_connector_extra_config``)."""
+    from importlib.metadata import entry_points
+
+    # Names only: importing the transports (and their engines) in every vLLM process at
+    # plugin load would cost seconds; the chosen one is imported when a worker starts.
+    names: dict[str, str | None] = {CONNECTOR_NAME: None}
+    for ep in sorted(entry_points(group="kvbridge.transports"), key=lambda e: e.name):
+        names[f"{CONNECTOR_NAME}-{ep.name}"] = ep.name
+    return names
+
+
+def transport_connector(transport: str) -> type:
+    """A subclass of the connector with its transport fixed (what ``-<name>`` connectors load)."""
+    from kvbridge.adapters.vllm.connector import KVBridgeConnector
+
+    return type(
+        f"KVBridgeConnector_{transport}",
+        (KVBridgeConnector,),
+        {"default_transport": transport, "__module__": _MODULE},
+    )
+
+
+def __getattr__(name: str) -> type:
+    # The factory loads classes lazily by module attribute: `KVBridgeConnector_<transport>`.
+    prefix = "KVBridgeConnector_"
+    if name.startswith(prefix):
+        return transport_connector(name[len(prefix) :])
+    raise AttributeError(name)
+
+
+def register() -> None:
+    """The entry point: register every connector name with vLLM's factory (idempotent)."""
+    request_amx_permission()
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:  # vLLM absent or too old: nothing to register with
+        return
+    for name, transport in connector_names().items():
+        if name in KVConnectorFactory._registry:
+            continue
+        if transport is None:
+            KVConnectorFactory.register_connector(name, _MODULE, "KVBridgeConnector")
+        else:
+            KVConnectorFactory.register_connector(name, __name__, f"KVBridgeConnector_{transport}")

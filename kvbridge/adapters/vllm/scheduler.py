@@ -1,0 +1,253 @@
+"""Scheduler-side bookkeeping of the vLLM connector: which requests load, publish or release.
+
+Pure logic over vLLM's ``Request`` objects (duck-typed: ``request_id``, ``kv_transfer_params``,
+``prompt_token_ids``, ``num_prompt_tokens``, ``num_computed_tokens``, ``status``); the token
+boundary comes from the core. What a step decided reaches the workers as a ``StepPlan``.
+
+vLLM's P/D convention: P's request carries ``{"do_remote_decode": True}``; P returns
+``kv_transfer_params`` from ``request_finished``; the proxy hands them to D with
+``do_remote_prefill: True``. Our own parameters travel under the ``"kvbridge"`` key (the core's
+``TransferParams``), beside vLLM's flags, so proxies that only look at vLLM's keys keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
+from kvbridge.core.control.plane import Mode, TransferParams
+from kvbridge.core.groups import GroupKind
+
+#: The key of our ``TransferParams`` inside vLLM's ``kv_transfer_params``.
+PARAMS_KEY = "kvbridge"
+#: Set on P's params once its prompt was truncated, so a preempted request is not cut twice.
+TRUNCATED_KEY = "_kvbridge_truncated"
+#: Set on D's params once the load was planned, so a rescheduled request does not load twice.
+PROCESSED_KEY = "_kvbridge_processed"
+#: vLLM's null block (the first block of the pool), a placeholder in STATE/SW block lists.
+NULL_BLOCK_ID = 0
+
+BlockIdMap = dict[int, list[int]]
+
+
+@dataclass
+class LoadRequest:
+    """D: fetch a request's blocks from P into these local blocks."""
+
+    request_id: str
+    params: dict[str, Any]  # TransferParams.to_dict()
+    block_ids: BlockIdMap
+
+
+@dataclass
+class PublishRequest:
+    """P: hold a finished prefill's blocks under a lease for D."""
+
+    request_id: str
+    block_ids: BlockIdMap
+    num_tokens: int
+    mode: str
+
+
+@dataclass
+class StepPlan:
+    """Everything the workers must start this step (vLLM's connector metadata carries it)."""
+
+    loads: list[LoadRequest] = field(default_factory=list)
+    publishes: list[PublishRequest] = field(default_factory=list)
+    #: D: requests that will not load (aborted, nothing left to load): tell P to free at once.
+    releases: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.publishes or self.releases)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What the scheduler needs to know about one vLLM cache group."""
+
+    index: int
+    kind: GroupKind
+    #: Trailing scratch slots a Mamba group holds for speculative decoding.
+    speculative_slots: int = 0
+    transfer: bool = True
+
+
+def _remote_params(params: Mapping[str, Any]) -> TransferParams | None:
+    raw = params.get(PARAMS_KEY)
+    return TransferParams.from_dict(raw) if isinstance(raw, Mapping) else None
+
+
+class SchedulerState:
+    """The connector's scheduler-side state for one engine.
+
+    ``engine_id``, ``endpoint`` and ``transport`` must be what the worker's ``ControlPlane``
+    reports (the worker binds a fixed port so the scheduler can name it before it exists).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[GroupInfo],
+        *,
+        engine_id: str,
+        endpoint: str,
+        transport: str,
+        mode: Mode = Mode.PULL,
+    ) -> None:
+        self.groups = list(groups)
+        self.has_state = any(g.kind is GroupKind.STATE and g.transfer for g in self.groups)
+        self.engine_id = engine_id
+        self.endpoint = endpoint
+        self.transport = transport
+        self.mode = Mode(mode)
+        self._plan = StepPlan()
+        #: P: request ids published and not yet reported freed by the worker.
+        self.sending: set[str] = set()
+
+    # -- P: prompt truncation ---------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """On P, cut the prompt to what P must prefill (N-1 with STATE groups), exactly once."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or params.get(TRUNCATED_KEY):
+            return
+        params[TRUNCATED_KEY] = True  # set before any early return: never revisit this request
+        total = int(request.num_prompt_tokens)
+        keep = prefill_token_count(total, self.has_state)
+        if keep == total:
+            return
+        if request.prompt_token_ids is None:  # prompt embeddings: nothing we can cut safely
+            return
+        cut = total - keep
+        del request.prompt_token_ids[-cut:]
+        del request._all_token_ids[-cut:]
+        request.num_prompt_tokens = keep
+        request.max_tokens = 1
+
+    # -- D: how much to load ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens D loads beyond its local hit, and whether asynchronously (always, when > 0)."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or params.get(PROCESSED_KEY):
+            return 0, False
+        remote = _remote_params(params)
+        if remote is None:
+            return 0, False
+        prompt_len = len(request.prompt_token_ids or ())
+        count = remote_prefill_token_count(prompt_len, self.has_state, num_computed_tokens)
+        # Never ask for more than P computed (a P configured differently, or a shorter prompt).
+        count = min(count, max(0, remote.num_tokens - num_computed_tokens))
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """D: plan the load into the blocks just allocated (non-null blocks not cached locally).
+
+        Called again after the load finished (more blocks for the rest of the prompt): the
+        processed mark makes that a no-op.
+        """
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or params.get(PROCESSED_KEY):
+            return
+        params[PROCESSED_KEY] = True
+        params["do_remote_prefill"] = False  # vLLM's own convention: one transfer per request
+        raw = params.get(PARAMS_KEY)
+        if not isinstance(raw, Mapping):
+            return
+        if num_external_tokens <= 0:
+            # Full local hit, or nothing loadable (a one-token prompt with STATE): P still holds
+            # the blocks, so tell it to free them now instead of at lease expiry.
+            self._plan.releases.append(dict(raw))
+            return
+        remote = TransferParams.from_dict(raw)
+        local = self.transfer_block_ids(block_ids)
+        for g in self.groups:
+            if g.kind is GroupKind.SLIDING_WINDOW and g.index in local:
+                # P's list was already cut to the window: D loads only that tail.
+                held = len(remote.block_ids.get(g.index, ()))
+                local[g.index] = local[g.index][len(local[g.index]) - held :] if held else []
+        self._plan.loads.append(LoadRequest(request.request_id, dict(raw), local))
+
+    # -- both: the end of a request ---------------------------------------------------------------
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether vLLM must keep the blocks (P published them), and the params for D."""
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill") and not params.get(PROCESSED_KEY):
+            # D aborted the request before it was ever scheduled: P still holds its blocks.
+            params["do_remote_prefill"] = False
+            params[PROCESSED_KEY] = True
+            raw = params.get(PARAMS_KEY)
+            if isinstance(raw, Mapping):
+                self._plan.releases.append(dict(raw))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if not _finished_normally(request):
+            return False, None  # aborted or errored on P: free the blocks now, publish nothing
+        ids = {g: b for g, b in self.transfer_block_ids(block_ids).items() if b}
+        if not ids:
+            return False, None
+        num_tokens = int(request.num_computed_tokens)
+        transfer = TransferParams(
+            request.request_id, self.engine_id, self.endpoint, ids, num_tokens,
+            self.transport, self.mode,
+        )  # fmt: skip
+        self._plan.publishes.append(
+            PublishRequest(request.request_id, ids, num_tokens, self.mode.value)
+        )
+        self.sending.add(request.request_id)
+        out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_num_tokens": num_tokens,
+            PARAMS_KEY: transfer.to_dict(),
+        }
+        return True, out
+
+    def finished_sending(self, request_ids: set[str]) -> None:
+        """The worker freed these published requests."""
+        self.sending -= request_ids
+
+    # -- steps ------------------------------------------------------------------------------------
+    def build_step(self) -> StepPlan:
+        """What the workers must start now; the state is reset for the next step."""
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    @property
+    def has_pending_publish(self) -> bool:
+        """A publish waits for the next step: the engine must step even when idle."""
+        return bool(self._plan.publishes or self._plan.releases)
+
+    def transfer_block_ids(self, block_ids: Sequence[Sequence[int]]) -> BlockIdMap:
+        """Block ids per transferable group, null placeholders and scratch slots dropped.
+
+        STATE groups keep only the running state slot: Mamba groups append speculative
+        scratch slots after it and hold superseded states and nulls before it.
+        """
+        out: BlockIdMap = {}
+        for g in self.groups:
+            if not g.transfer or g.index >= len(block_ids):
+                continue
+            ids = [int(b) for b in block_ids[g.index] if int(b) != NULL_BLOCK_ID]
+            if g.kind is GroupKind.STATE and ids:
+                scratch = min(g.speculative_slots, len(ids) - 1)
+                ids = ids[: len(ids) - scratch][-1:]
+            out[g.index] = ids
+        return out
+
+
+def _finished_normally(request: Any) -> bool:
+    """Stopped or length-capped: the prefill is complete (not aborted, not errored)."""
+    name = getattr(request.status, "name", str(request.status))
+    return name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")

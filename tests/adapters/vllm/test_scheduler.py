@@ -1,0 +1,107 @@
+"""Scheduler-side bookkeeping with real vLLM Request objects."""
+
+from __future__ import annotations
+
+from vllm.v1.request import RequestStatus
+
+from kvbridge.adapters.vllm.scheduler import PARAMS_KEY, GroupInfo, SchedulerState
+from kvbridge.core import GroupKind
+from tests.adapters.vllm.conftest import blocks_of, make_request
+
+HYBRID = [GroupInfo(0, GroupKind.ATTENTION), GroupInfo(1, GroupKind.STATE, speculative_slots=1)]
+DENSE = [GroupInfo(0, GroupKind.ATTENTION)]
+
+
+def state(groups=HYBRID) -> SchedulerState:
+    return SchedulerState(groups, engine_id="p", endpoint="tcp://127.0.0.1:1", transport="mooncake")
+
+
+def prefill(sched: SchedulerState, prompt_len: int, block_ids, rid: str = "r1") -> dict:
+    """P: new request, prefill done, finished → the params D receives."""
+    req = make_request(rid, prompt_len, {"do_remote_decode": True})
+    sched.on_new_request(req)
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = sched.request_finished(req, block_ids)
+    assert delay and params is not None
+    return params
+
+
+def test_p_truncates_once_with_state_groups() -> None:
+    sched = state()
+    req = make_request("r1", 10, {"do_remote_decode": True})
+    sched.on_new_request(req)
+    sched.on_new_request(req)  # a preempted, rescheduled request must not lose another token
+    assert req.num_prompt_tokens == 9 and len(req.prompt_token_ids) == 9
+    assert len(req.all_token_ids) == 9 and req.max_tokens == 1
+
+
+def test_p_keeps_the_prompt_without_state_and_for_one_token() -> None:
+    dense = make_request("a", 10, {"do_remote_decode": True})
+    state(DENSE).on_new_request(dense)
+    one = make_request("b", 1, {"do_remote_decode": True})
+    state().on_new_request(one)
+    assert dense.num_prompt_tokens == 10 and one.num_prompt_tokens == 1
+
+
+def test_p_publishes_without_null_placeholders_or_scratch_slots() -> None:
+    sched = state()
+    # STATE group: nulls, the running slot 7, then one speculative scratch slot 9.
+    params = prefill(sched, 130, ([3, 4, 5], [0, 0, 7, 9]))
+    transfer = params[PARAMS_KEY]
+    assert transfer["block_ids"] == {0: [3, 4, 5], 1: [7]}
+    assert transfer["num_tokens"] == 129 and params["do_remote_prefill"] is True
+    plan = sched.build_step()
+    assert [p.request_id for p in plan.publishes] == ["r1"] and not sched.build_step()
+
+
+def test_p_aborted_request_is_not_published() -> None:
+    sched = state()
+    req = make_request("r1", 10, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req, ([1], [2])) == (False, None)
+    assert not sched.build_step()
+
+
+def test_d_loads_n_minus_1_into_its_unhashed_blocks() -> None:
+    p, d = state(), state()
+    params = prefill(p, 130, ([3, 4, 5], [0, 0, 7]))
+    req = make_request("d1", 130, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (129, True)
+    d.update_state_after_alloc(
+        req, blocks_of([[10, 11, 12], [0, 0, 8]]).get_unhashed_block_ids_all_groups(), 129
+    )
+    d.update_state_after_alloc(req, [[13], [0]], 0)  # the second call after the load: no-op
+    (load,) = d.build_step().loads
+    assert load.block_ids == {0: [10, 11, 12], 1: [8]}
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # never loads twice
+
+
+def test_d_prefix_cache_hit_loads_the_rest() -> None:
+    p, d = state(DENSE), state(DENSE)
+    params = prefill(p, 200, ([3, 4, 5, 6],))
+    req = make_request("d1", 200, params)
+    assert d.get_num_new_matched_tokens(req, 128) == (72, True)
+    ids = blocks_of([[20, 21, 22, 23]], hashed=2).get_unhashed_block_ids_all_groups()
+    d.update_state_after_alloc(req, ids, 72)
+    (load,) = d.build_step().loads
+    assert load.block_ids == {0: [22, 23]}  # the core pairs them with P's tail [5, 6]
+
+
+def test_d_one_token_prompt_with_state_loads_nothing_and_releases_p() -> None:
+    p, d = state(), state()
+    params = prefill(p, 1, ([3], [0, 7]))
+    req = make_request("d1", 1, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    d.update_state_after_alloc(req, [], 0)
+    plan = d.build_step()
+    assert not plan.loads and [r["request_id"] for r in plan.releases] == ["r1"]
+
+
+def test_d_abort_before_scheduling_releases_p() -> None:
+    p, d = state(), state()
+    params = prefill(p, 50, ([3], [7]))
+    req = make_request("d1", 50, params)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert d.request_finished(req, ([], [])) == (False, None)
+    assert [r["request_id"] for r in d.build_step().releases] == ["r1"]
