@@ -52,7 +52,7 @@ DEFAULT_PORT = 5790
 
 
 @dataclass
-class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class KVBridgeMetadata(KVConnectorMetadata):
     """Scheduler → worker: what to start this step."""
 
     plan: StepPlan = field(default_factory=StepPlan)
@@ -110,7 +110,7 @@ def endpoint_of(options: Options, tp_rank: int = 0) -> str:
     return f"tcp://{host}:{options.port + tp_rank}"
 
 
-class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvbridge; the transport comes from ``kv_connector_extra_config``."""
 
     #: Set by the per-transport subclasses the plugin creates (``KVBridgeConnector-<name>``).
@@ -121,6 +121,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        if ktc is None:
+            raise ValueError("KVBridgeConnector needs vLLM's kv_transfer_config")
         self.options = Options.from_extra(ktc.kv_connector_extra_config, self.default_transport)
         self.engine_id = str(ktc.engine_id)
         groups = [
