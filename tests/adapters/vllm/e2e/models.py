@@ -1,0 +1,197 @@
+"""Tiny models built locally for end-to-end vLLM runs (no downloads): config, tokenizer, weights.
+
+``build_llama(path)`` writes a dense Llama-style model (a few layers, GQA, random weights from a
+fixed seed, saved as safetensors) and a WordLevel ``tokenizer.json`` whose words are ``w0`` ...
+``w<N>``, so prompts are easy to write: ``" ".join(f"w{i}" for i in ...)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def _write_tokenizer(path: Path, vocab_size: int) -> None:
+    words = SPECIALS + [f"w{i}" for i in range(vocab_size - len(SPECIALS))]
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": w,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, w in enumerate(SPECIALS)
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": 4096,
+                "add_bos_token": False,
+                "add_eos_token": False,
+            }
+        )
+    )
+    (path / "special_tokens_map.json").write_text(
+        json.dumps({"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
+    )
+
+
+def llama_config(vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def _llama_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def rnd(*shape: int, scale: float = 0.0) -> torch.Tensor:
+        std = scale or 1.0 / shape[-1] ** 0.5
+        return torch.randn(*shape, generator=gen) * std
+
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rnd(v, h, scale=1.0),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": rnd(v, h),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        w[p + "self_attn.q_proj.weight"] = rnd(q, h)
+        w[p + "self_attn.k_proj.weight"] = rnd(kv, h)
+        w[p + "self_attn.v_proj.weight"] = rnd(kv, h)
+        w[p + "self_attn.o_proj.weight"] = rnd(h, q)
+        w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.up_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.down_proj.weight"] = rnd(h, inter)
+    return w
+
+
+def build_llama(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path:
+    """Write a tiny Llama (config, tokenizer, float32 safetensors weights) into ``path``."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config(**overrides)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    _write_tokenizer(out, cfg["vocab_size"])
+    weights = {k: t.contiguous() for k, t in _llama_weights(cfg, seed).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def prompts(count: int = 4, *, seed: int = 7, lengths: tuple[int, ...] = (45, 80, 130, 33, 64, 5),
+            vocab_size: int = 512) -> list[list[int]]:  # fmt: skip
+    """Token-id prompts of varied lengths (some crossing block boundaries), fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        n = lengths[i % len(lengths)]
+        ids = torch.randint(len(SPECIALS), vocab_size, (n,), generator=gen).tolist()
+        out.append([int(t) for t in ids])
+    return out
+
+
+def qwen3_next_config(vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
+    """Tiny Qwen3-Next: 3 gated-DeltaNet layers and 1 full-attention layer, a small MoE."""
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "full_attention_interval": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        # GDN on the CPU needs bf16 and linear head dims of 128.
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def build_qwen3_next(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path:
+    """Write a tiny Qwen3-Next (random weights from transformers' own init, fixed seed)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = qwen3_next_config(**overrides)
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    _write_tokenizer(out, cfg["vocab_size"])
+    return out
