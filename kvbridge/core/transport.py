@@ -9,14 +9,14 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.core.errors import TransferError, TransferTimeoutError
+from kvbridge.core.errors import PeerError, TransferError, TransferTimeoutError
 
 AddrArray = npt.NDArray[np.uint64]
 
@@ -230,3 +230,33 @@ def check_descriptors(local: AddrArray, remote: AddrArray, lengths: AddrArray) -
             f"lengths {lengths.shape}"
         )
     return int(local.shape[0]), int(lengths.sum(dtype=np.uint64))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A ``submit`` call's descriptors, validated: three 1-D ``uint64`` arrays of one length."""
+
+    op: TransferOp
+    local: AddrArray
+    remote: AddrArray
+    lengths: AddrArray
+    count: int
+    nbytes: int
+
+
+def prepare_batch(op: TransferOp, local: Any, remote: Any, lengths: Any) -> Batch:
+    """Check and coerce what a transport's ``submit`` received, the same way for every engine."""
+    if not isinstance(op, TransferOp):
+        raise TypeError(f"op must be a TransferOp, got {op!r}")
+    local, remote, lengths = as_addr_array(local), as_addr_array(remote), as_addr_array(lengths)
+    count, nbytes = check_descriptors(local, remote, lengths)
+    return Batch(op, local, remote, lengths, count, nbytes)
+
+
+def unknown_peer_error(peer: str, connected: Iterable[str]) -> PeerError:
+    """The error for a transfer to a peer that was never connected (or was disconnected)."""
+    known = ", ".join(repr(p) for p in sorted(connected)) or "none"
+    return PeerError(
+        f"unknown peer {peer!r} (connected: {known}); call connect(peer, metadata) with the "
+        "peer's metadata first"
+    )

@@ -59,8 +59,8 @@ from kvbridge.core.transport import (
     TransferStatus,
     Transport,
     TransportLimits,
-    as_addr_array,
-    check_descriptors,
+    prepare_batch,
+    unknown_peer_error,
 )
 
 #: ``metadata_server`` value that makes engines exchange metadata peer to peer (no server).
@@ -533,18 +533,13 @@ class MooncakeTransport(Transport):
         lengths: AddrArray,
     ) -> MooncakeHandle:
         self._check_open()
-        if not isinstance(op, TransferOp):
-            raise TypeError(f"op must be a TransferOp, got {op!r}")
-        local, remote, lengths = as_addr_array(local), as_addr_array(remote), as_addr_array(lengths)
-        count, nbytes = check_descriptors(local, remote, lengths)
+        batch = prepare_batch(op, local, remote, lengths)
+        local, remote, lengths = batch.local, batch.remote, batch.lengths
+        count, nbytes = batch.count, batch.nbytes
         with self._lock:
             session = self._peers.get(peer)
             if session is None:
-                known = ", ".join(repr(p) for p in sorted(self._peers)) or "none"
-                raise PeerError(
-                    f"unknown peer {peer!r} (connected: {known}); call connect(peer, metadata) "
-                    "with the peer's metadata first"
-                )
+                raise unknown_peer_error(peer, self._peers)
             self._ranges.require_covered(local, lengths, "local")
             lane = self._lane(session)
         handle = MooncakeHandle(

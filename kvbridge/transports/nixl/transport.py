@@ -65,8 +65,8 @@ from kvbridge.core.transport import (
     TransferStatus,
     Transport,
     TransportLimits,
-    as_addr_array,
-    check_descriptors,
+    prepare_batch,
+    unknown_peer_error,
 )
 
 #: The exact command that installs the engine without dragging in torch and CUDA (about 6 GB).
@@ -492,17 +492,12 @@ class NixlTransport(Transport):
         lengths: AddrArray,
     ) -> NixlHandle:
         self._check_open()
-        if not isinstance(op, TransferOp):
-            raise TypeError(f"op must be a TransferOp, got {op!r}")
-        local, remote, lengths = as_addr_array(local), as_addr_array(remote), as_addr_array(lengths)
-        count, nbytes = check_descriptors(local, remote, lengths)
+        batch = prepare_batch(op, local, remote, lengths)
+        local, remote, lengths = batch.local, batch.remote, batch.lengths
+        count, nbytes = batch.count, batch.nbytes
         entry = self._peers.get(peer)
         if entry is None:
-            known = ", ".join(repr(p) for p in sorted(self._peers)) or "none"
-            raise PeerError(
-                f"unknown peer {peer!r} (connected: {known}); call connect(peer, metadata) with "
-                "the peer's metadata first"
-            )
+            raise unknown_peer_error(peer, self._peers)
         handle = NixlHandle(
             op, peer, count, nbytes, time.monotonic() + self.timeout, agent=entry.agent
         )
