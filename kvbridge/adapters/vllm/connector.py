@@ -34,6 +34,7 @@ from kvbridge.adapters.vllm.layout import (
     group_kind,
 )
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
+from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport
@@ -140,6 +141,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._recving: dict[str, str] = {}  # P's request id (the plane's key) → D's request id
         self._early: list[str] = []  # publishes that failed: report their blocks free at once
         self._failed_now: set[str] = set()  # loads that could not even start
+        self._stats = KVBridgeStats()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerState(
                 groups,
@@ -276,14 +278,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             if rid in self._sending:
                 self._sending.discard(rid)
                 results.finished_sending.add(rid)
+                if outcome.ok and outcome.stats.nbytes:  # P pushed: the bytes were P's work
+                    self._stats.record(outcome.stats)
             elif rid in self._recving:
                 local = self._recving.pop(rid)
                 if outcome.ok:
                     results.finished_recving.add(local)
+                    self._stats.record(outcome.stats)
                 else:
                     log.warning("kvbridge: load of %s failed: %s", local, outcome.reason)
                     failed.add(local)
         for rid in failed:
+            self._stats.record_failure()
             results.finished_recving.add(rid)
             results.failed_recving.add(rid)
         return results
@@ -291,6 +297,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        """This worker's transfers since the last call (vLLM polls it every step)."""
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVBridgeStats()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=dict(data)) if data else KVBridgeStats()
 
     def shutdown(self) -> None:
         if self.plane is not None:

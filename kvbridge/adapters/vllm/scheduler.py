@@ -12,6 +12,7 @@ vLLM's P/D convention: P's request carries ``{"do_remote_decode": True}``; P ret
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from kvbridge.core.groups import GroupKind
 
 #: The key of our ``TransferParams`` inside vLLM's ``kv_transfer_params``.
 PARAMS_KEY = "kvbridge"
+#: Optional on P's request: ``"pull"`` or ``"push"``, overriding the configured mode for it.
+MODE_KEY = "kvbridge_mode"
 #: Set on P's params once its prompt was truncated, so a preempted request is not cut twice.
 TRUNCATED_KEY = "_kvbridge_truncated"
 #: Set on D's params once the load was planned, so a rescheduled request does not load twice.
@@ -30,6 +33,8 @@ PROCESSED_KEY = "_kvbridge_processed"
 NULL_BLOCK_ID = 0
 
 BlockIdMap = dict[int, list[int]]
+
+log = logging.getLogger("kvbridge.vllm")
 
 
 @dataclass
@@ -196,13 +201,12 @@ class SchedulerState:
         if not ids:
             return False, None
         num_tokens = int(request.num_computed_tokens)
+        mode = _request_mode(params, self.mode, request.request_id)
         transfer = TransferParams(
             request.request_id, self.engine_id, self.endpoint, ids, num_tokens,
-            self.transport, self.mode,
+            self.transport, mode,
         )  # fmt: skip
-        self._plan.publishes.append(
-            PublishRequest(request.request_id, ids, num_tokens, self.mode.value)
-        )
+        self._plan.publishes.append(PublishRequest(request.request_id, ids, num_tokens, mode.value))
         self.sending.add(request.request_id)
         out = {
             "do_remote_prefill": True,
@@ -245,6 +249,21 @@ class SchedulerState:
                 ids = ids[: len(ids) - scratch][-1:]
             out[g.index] = ids
         return out
+
+
+def _request_mode(params: Mapping[str, Any], default: Mode, request_id: str) -> Mode:
+    """The request's own mode if it names a valid one; a bad value must not stop the engine."""
+    asked = params.get(MODE_KEY)
+    if asked is None:
+        return default
+    try:
+        return Mode(asked)
+    except ValueError:
+        log.error(
+            "request %s: %s=%r is not one of %s; using the configured mode %r",
+            request_id, MODE_KEY, asked, [m.value for m in Mode], default.value,
+        )  # fmt: skip
+        return default
 
 
 def _finished_normally(request: Any) -> bool:

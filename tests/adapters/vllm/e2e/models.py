@@ -195,3 +195,72 @@ def build_qwen3_next(path: str | Path, *, seed: int = 1234, **overrides: Any) ->
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     _write_tokenizer(out, cfg["vocab_size"])
     return out
+
+
+def deepseek_mla_config(vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
+    """Tiny DeepSeek-V2 with MLA attention and dense MLPs (no MoE layer).
+
+    vLLM's CPU MLA kernels only take a latent cache row of 576 (``kv_lora_rank`` 512 +
+    ``qk_rope_head_dim`` 64). On an AMX host vLLM picks its AMX MLA backend: run it in bf16
+    (float32 fails loading, "expect weight to be bfloat16, ...") with an attention block size
+    that is a multiple of 32; the KV cache spec is ``MLAAttentionSpec`` (one 576-wide head).
+    """
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        # Every layer dense (first_k_dense_replace = num_hidden_layers, set below); the expert
+        # fields only satisfy the config's validation (transformers wants ints there).
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 128,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        # YaRN with factor 1.0 is plain RoPE (same inv_freq, mscale 1), but it makes vLLM use
+        # DeepseekScalingRotaryEmbedding, whose CPU forward is the PyTorch one. A "default" rope
+        # takes vLLM's CPU rotary_embedding kernel, which mis-rotates MLA's 3-D, multi-head q
+        # (q[..., nope:] of shape [tokens, heads, rope]): outputs then depend on batch
+        # composition and on prefix-cache hits, and do not match transformers.
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 1.0,
+            "original_max_position_embeddings": 2048,
+        },
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.2,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+    cfg.update(overrides)
+    cfg.setdefault("first_k_dense_replace", cfg["num_hidden_layers"])
+    return cfg
+
+
+def build_deepseek_mla(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path:
+    """Write a tiny DeepSeek-V2 MLA model (random weights from transformers' init, fixed seed)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = deepseek_mla_config(**overrides)
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**cfg)).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    _write_tokenizer(out, cfg["vocab_size"])
+    return out

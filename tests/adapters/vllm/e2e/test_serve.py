@@ -1,0 +1,38 @@
+"""P → D as users deploy it: two ``vllm serve`` servers, kvbridge's proxy, the OpenAI client.
+
+Marked ``e2e`` (run by ``make test`` with ``KVBRIDGE_E2E=1``): two servers start, a few minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.adapters.vllm.e2e.run_pd import Reference
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        os.environ.get("KVBRIDGE_E2E") != "1",
+        reason="end-to-end vLLM runs take minutes: set KVBRIDGE_E2E=1 (make test-e2e does)",
+    ),
+]
+
+
+@pytest.mark.timeout(600)
+def test_served_pd_through_proxy_matches_single_instance(
+    reference: Callable[[str], Reference], tmp_path: Path
+) -> None:
+    from tests.adapters.vllm.e2e.serve_pd import run_serve, tail
+
+    summary = run_serve(reference("llama"), transport="mooncake", mode="pull", work_dir=tmp_path)
+    logs = "\n".join(f"--- {k} ---\n{tail(Path(p))}" for k, p in summary["logs"].items())
+    bad = [r for r in summary["results"] if not r["match"]]
+    assert summary["results"], "no prompt was answered"
+    assert not bad, f"D differs from the single instance: {bad}\n{logs}"
+    assert summary["p_params_seen"], f"P returned no kv_transfer_params: {summary['results']}"
+    assert summary["stream_match"], f"the streamed answer differs from the reference\n{logs}"
+    assert summary["control"]["loaded"], f"D did not decode over P's KV: {summary['control']}"
