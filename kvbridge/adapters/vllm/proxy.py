@@ -87,7 +87,8 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["n"] = 1
     for key in ("stream_options", "min_tokens"):  # invalid without streaming / above 1 token
         out.pop(key, None)
-    out["kv_transfer_params"] = {"do_remote_decode": True}
+    # The client's own params (e.g. ``kvbridge_mode``) ride along; P must publish for D.
+    out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "do_remote_decode": True}
     return out
 
 
@@ -247,15 +248,20 @@ async def _relay(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
 
 def create_app(
     prefill: Sequence[str], decode: Sequence[str], *, timeout: float = 300.0,
-    connect_timeout: float = 10.0,
+    connect_timeout: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:  # fmt: skip
-    """The proxy as an ASGI app; ``timeout`` bounds each upstream read/write (s)."""
+    """The proxy as an ASGI app; ``timeout`` bounds each upstream read/write (s).
+
+    ``transport``: httpx's, for the upstream calls (default: the network).
+    """
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     http_timeout = httpx.Timeout(timeout, connect=connect_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with httpx.AsyncClient(timeout=http_timeout, limits=limits) as client:
+        async with httpx.AsyncClient(
+            timeout=http_timeout, limits=limits, transport=transport
+        ) as client:
             app.state.proxy = Proxy(prefill, decode, client)
             yield
 

@@ -105,6 +105,16 @@ def test_hybrid_pull_moves_the_right_bytes() -> None:
         assert not d_caches["a0"][untouched].view(torch.int16).any()
         for layer in ("m0", "m1"):
             assert _same_bytes(p_caches[layer][7], d_caches[layer][8])
+
+        # vLLM's stats hook: exactly the bytes compared above, once, then nothing new.
+        moved = sum(3 * p_caches[a][0:2].nbytes for a in ("a0", "a1"))
+        moved += sum(p_caches[m][7].nbytes for m in ("m0", "m1"))
+        stats = d_worker.get_kv_connector_stats()
+        assert stats is not None and stats.data["nbytes"] == [moved]
+        reduced = KVBridgeConnector.build_kv_connector_stats(stats.to_dict()).reduce()
+        assert reduced["transfers"] == 1 and reduced["failed"] == 0
+        assert reduced["descriptors"] >= 1 and reduced["MiB"] == round(moved / 2**20, 3)
+        assert d_worker.get_kv_connector_stats() is None
     finally:
         p_worker.shutdown()
         d_worker.shutdown()
@@ -129,6 +139,8 @@ def test_failed_load_is_reported_for_recompute() -> None:
         _step(d_sched, d_worker)
         res = _results(d_worker, "d2", timeout=30)
         assert res.failed_recving == {"d2"} and "d2" in res.finished_recving
+        stats = d_worker.get_kv_connector_stats()
+        assert stats is not None and stats.reduce() == {"transfers": 0, "failed": 1}
     finally:
         d_worker.shutdown()
 

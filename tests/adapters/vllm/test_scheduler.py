@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllm.v1.request import RequestStatus
 
-from kvbridge.adapters.vllm.scheduler import PARAMS_KEY, GroupInfo, SchedulerState
+from kvbridge.adapters.vllm.scheduler import MODE_KEY, PARAMS_KEY, GroupInfo, SchedulerState
 from kvbridge.core import GroupKind
 from tests.adapters.vllm.conftest import blocks_of, make_request
 
@@ -105,3 +105,15 @@ def test_d_abort_before_scheduling_releases_p() -> None:
     req.status = RequestStatus.FINISHED_ABORTED
     assert d.request_finished(req, ([], [])) == (False, None)
     assert [r["request_id"] for r in d.build_step().releases] == ["r1"]
+
+
+def test_p_request_may_choose_its_mode() -> None:
+    sched = state()  # configured: pull
+    for rid, asked, want in (("a", "push", "push"), ("b", None, "pull"), ("c", "teleport", "pull")):
+        req = make_request(rid, 10, {"do_remote_decode": True, MODE_KEY: asked})
+        sched.on_new_request(req)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = sched.request_finished(req, ([3], [7]))
+        assert params is not None and params[PARAMS_KEY]["mode"] == want, rid
+        assert [p.mode for p in sched.build_step().publishes] == [want]

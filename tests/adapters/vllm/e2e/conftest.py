@@ -22,10 +22,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Refer
     cache: dict[str, Reference] = {}
     root = tmp_path_factory.mktemp("models")
 
-    def get(arch: str) -> Reference:
-        if arch not in cache:
-            cache[arch] = build_reference(CASES[arch], root)
-        return cache[arch]
+    def get(name: str) -> Reference:
+        if name not in cache:
+            cache[name] = build_reference(CASES[name], root)
+        return cache[name]
 
     return get
 

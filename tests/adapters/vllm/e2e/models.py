@@ -182,28 +182,38 @@ def qwen3_next_config(vocab_size: int = 512, **overrides: Any) -> dict[str, Any]
     return cfg
 
 
-def build_qwen3_next(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path:
-    """Write a tiny Qwen3-Next (random weights from transformers' own init, fixed seed)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def _save_transformers_model(
+    path: str | Path, cfg: dict[str, Any], config_cls: str, model_cls: str, seed: int
+) -> Path:
+    """Random weights from transformers' own init (fixed seed), saved in bf16 with ``cfg``."""
+    import transformers
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = qwen3_next_config(**overrides)
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).to(torch.bfloat16)
+    config = getattr(transformers, config_cls)(**cfg)
+    model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
     model.save_pretrained(str(out))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     _write_tokenizer(out, cfg["vocab_size"])
     return out
 
 
+def build_qwen3_next(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path:
+    """Write a tiny Qwen3-Next (random weights from transformers' own init, fixed seed)."""
+    cfg = qwen3_next_config(**overrides)
+    return _save_transformers_model(path, cfg, "Qwen3NextConfig", "Qwen3NextForCausalLM", seed)
+
+
 def deepseek_mla_config(vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
     """Tiny DeepSeek-V2 with MLA attention and dense MLPs (no MoE layer).
 
     vLLM's CPU MLA kernels only take a latent cache row of 576 (``kv_lora_rank`` 512 +
-    ``qk_rope_head_dim`` 64). On an AMX host vLLM picks its AMX MLA backend: run it in bf16
-    (float32 fails loading, "expect weight to be bfloat16, ...") with an attention block size
-    that is a multiple of 32; the KV cache spec is ``MLAAttentionSpec`` (one 576-wide head).
+    ``qk_rope_head_dim`` 64). On an AMX host vLLM picks its AMX MLA backend: bf16 only (float32
+    fails loading, "expect weight to be bfloat16, ..."), attention block size a multiple of 32.
+    float32 runs on the reference backend (``attention_config={"backend": "CPU_MLA"}``), which
+    forces block size 16 and turns prefix caching and chunked prefill off. Either way the KV
+    cache spec is ``MLAAttentionSpec`` (one 576-wide head).
     """
     cfg: dict[str, Any] = {
         "architectures": ["DeepseekV2ForCausalLM"],
@@ -253,14 +263,5 @@ def deepseek_mla_config(vocab_size: int = 512, **overrides: Any) -> dict[str, An
 
 def build_deepseek_mla(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path:
     """Write a tiny DeepSeek-V2 MLA model (random weights from transformers' init, fixed seed)."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = deepseek_mla_config(**overrides)
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(DeepseekV2Config(**cfg)).to(torch.bfloat16)
-    model.save_pretrained(str(out))
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    _write_tokenizer(out, cfg["vocab_size"])
-    return out
+    return _save_transformers_model(path, cfg, "DeepseekV2Config", "DeepseekV2ForCausalLM", seed)

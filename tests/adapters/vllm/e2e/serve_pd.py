@@ -310,7 +310,7 @@ def run_serve(
             s.stop()
     as_prompt0 = ctl["d_tokens"] == ref.tokens[0]
     summary = {
-        "model": ref.case.arch,
+        "model": ref.case.name,
         "transport": transport,
         "mode": mode,
         "dtype": dtype,
