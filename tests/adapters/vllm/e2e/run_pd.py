@@ -476,16 +476,38 @@ def show(ref: Reference, summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{summary['model']} over {summary['transport']}: P → D vs one instance")
-    for col in ("mode", "prompt", "P (1 token)", "D (first 8 tokens)", "single instance", "same"):
+    verdict = {"exact": "yes", "near-tie": "near tie"}
+    table = Table(
+        title=f"{summary['model']} over {summary['transport']}: P -> D against one instance",
+        caption=(
+            "P prefills the prompt (N-1 tokens when the model has recurrent state) and returns "
+            "1 token; D loads P's KV and generates 32. 'near tie': D and the single instance "
+            "part where the latter's two best tokens were within "
+            f"{ref.case.tie} log-prob (bf16 rounding)."
+        ),
+    )
+    for col in ("mode", "prompt", "P", "D (first 6 of 32)", "single instance", "same"):
         table.add_column(col)
     for r in summary["results"]:
+        again = " again" if r["repeat"] else ""
         table.add_row(
-            r["mode"], f"{r['prompt']} ({r['prompt_len']} t)", str(r["p_tokens"]),
-            str(r["d_tokens"][:8]), str(r["ref_tokens"][:8]),
-            {"exact": "yes", "near-tie": "near tie"}.get(r["match"], "[red]NO[/red]"),
+            r["mode"], f"{r['prompt']} ({r['prompt_len']} t{again})", str(r["p_tokens"]),
+            str(r["d_tokens"][:6]), str(r["ref_tokens"][:6]),
+            verdict.get(r["match"], "[red]NO[/red]") + _parting(r),
         )  # fmt: skip
-    Console().print(table)
+    console = Console(width=120)
+    console.print(table)
+    ctl, killed = summary.get("control", {}), summary.get("p_killed", {})
+    console.print(
+        f"control (prompt 0's KV under other tokens) answered as prompt 0: {ctl.get('loaded')}; "
+        f"P killed before D loaded: D recomputed, {killed.get('match')}"
+    )
+
+
+def _parting(r: dict[str, Any]) -> str:
+    d, ref = r["d_tokens"], r["ref_tokens"]
+    step = next((k for k, (a, b) in enumerate(zip(d, ref, strict=False)) if a != b), None)
+    return "" if step is None else f" (from token {step})"
 
 
 def main(argv: list[str] | None = None) -> int:
