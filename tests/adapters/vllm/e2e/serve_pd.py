@@ -111,6 +111,7 @@ class Server:
 def _env(cores: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env["VLLM_LOG_STATS_INTERVAL"] = "1"  # the connector's stats line comes within a second
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
@@ -225,6 +226,26 @@ def control(
         return {"p_params": params, "d_tokens": list(dec.json()["choices"][0]["token_ids"])}
 
 
+def transfer_stats(log: Path, want: int, wait: float = 15.0) -> dict[str, float]:
+    """Sum of the ``KV Transfer metrics`` lines vLLM logged from our connector's stats hook.
+
+    Waits (bounded) until ``want`` transfers were logged: vLLM logs once per stats interval.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        total: dict[str, float] = {"transfers": 0, "failed": 0, "MiB": 0.0, "descriptors": 0}
+        for line in log.read_text(errors="replace").splitlines():
+            if "KV Transfer metrics:" not in line:
+                continue
+            text = line.split("KV Transfer metrics:", 1)[1]
+            fields = dict(kv.strip().split("=", 1) for kv in text.split(","))
+            for key in total:
+                total[key] += float(fields.get(key, 0))
+        if total["transfers"] >= want or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
+
+
 def run_serve(
     ref: Reference,
     *,
@@ -302,6 +323,8 @@ def run_serve(
         ctl = control(p_url, d_url, ps[0], other, max_tokens)
         loaded = ctl["d_tokens"] == ref.tokens[0] and ref.control_tokens != ref.tokens[0]
         log(f"control (prompt 0's KV, other tokens): D used P's KV = {loaded}")
+        stats = transfer_stats(logs["decode"], len(ps) + 2)
+        log(f"D's connector stats, summed over vLLM's log lines: {stats}")
     except (Exception, KeyboardInterrupt) as exc:
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
         raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
@@ -318,13 +341,15 @@ def run_serve(
         "stream_match": streamed == ref.tokens[0],
         "control": {"loaded": loaded, "d_tokens": ctl["d_tokens"], "as_prompt0": as_prompt0},
         "p_params_seen": all(r["remote_engine_id"] for r in results),
+        "stats": stats,
         "timings": timings,
         "work_dir": str(work),
         "logs": {k: str(p) for k, p in logs.items()},
     }
     summary["ok"] = (
         bool(results) and all(r["match"] for r in results) and summary["stream_match"]
-        and loaded and summary["p_params_seen"]
+        and loaded and summary["p_params_seen"] and stats["transfers"] >= len(ps)
+        and stats["failed"] == 0
     )  # fmt: skip
     if summary["ok"] and work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -36,3 +36,7 @@ def test_served_pd_through_proxy_matches_single_instance(
     assert summary["p_params_seen"], f"P returned no kv_transfer_params: {summary['results']}"
     assert summary["stream_match"], f"the streamed answer differs from the reference\n{logs}"
     assert summary["control"]["loaded"], f"D did not decode over P's KV: {summary['control']}"
+    # vLLM logged our stats hook's numbers: every answered request loaded from P, none failed.
+    stats = summary["stats"]
+    assert stats["transfers"] >= len(summary["results"]) and stats["failed"] == 0, stats
+    assert stats["MiB"] > 0 and stats["descriptors"] >= stats["transfers"], stats
