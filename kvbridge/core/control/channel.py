@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvbridge.core.control import auth
 from kvbridge.core.control.messages import (
@@ -48,6 +49,18 @@ class ControlError(KvbridgeError):
 
 class PeerTimeoutError(PeerError, TimeoutError):
     """A peer did not answer within the timeout."""
+
+
+class PeerRefusedError(PeerError, ConnectionRefusedError):
+    """Nothing accepts connections at the peer's address (its engine died or has not started).
+
+    Raised as soon as a connection attempt is refused while none is up, instead of waiting out
+    the timeout: a refusal is a definite answer (a frozen or unreachable peer still times out).
+    """
+
+
+#: Socket events that tell whether the peer's address accepts connections.
+_WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 @dataclass
@@ -206,6 +219,8 @@ class PeerClient:
         self._lock = threading.Lock()
         self._seq = 0
         self._socket: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._up = False  # a TCP connection to the peer is established
         self._authenticated = False
 
     def close(self) -> None:
@@ -215,18 +230,36 @@ class PeerClient:
 
     def _reset(self) -> None:
         if self._socket is not None:
+            self._socket.disable_monitor()
             self._socket.close(linger=0)
-        self._socket = None
-        self._authenticated = False
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        self._socket = self._monitor = None
+        self._up = self._authenticated = False
 
     def _connect(self) -> zmq.Socket[bytes]:
         if self._socket is None:
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTING_ID, f"{self.engine_id}-{uuid.uuid4().hex[:8]}".encode())
+            self._monitor = sock.get_monitor_socket(_WATCHED)
             sock.connect(self.address)
             self._socket = sock
         return self._socket
+
+    def _refused(self) -> bool:
+        """Read the socket's pending events; True if a connect was refused while none is up."""
+        assert self._monitor is not None
+        refused = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._up, refused = True, False
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._up = False
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self._up:
+                refused = True
+        return refused
 
     def request(self, body: Message, timeout: float | None = None) -> Message:
         """Send ``body``; return the reply, raise ``ControlError`` if refused, or time out."""
@@ -236,7 +269,7 @@ class PeerClient:
                 if not self._authenticated:
                     self._authenticate(deadline)
                 return self._call(body, deadline)
-            except (PeerTimeoutError, ControlError):
+            except (PeerTimeoutError, PeerRefusedError, ControlError):
                 self._reset()
                 raise
 
@@ -258,12 +291,24 @@ class PeerClient:
 
     def _call(self, body: Message, deadline: float) -> Message:
         sock = self._connect()
+        assert self._monitor is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         self._seq += 1
         seq = self._seq
         sock.send(encode(seq, body))
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
+            ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+            if self._monitor in ready and self._refused():
+                raise PeerRefusedError(
+                    f"the engine at {self.address} refused the connection for "
+                    f"{type(body).__name__} (nothing listens there: engine dead or not started)"
+                )
+            if sock not in ready:
+                if time.monotonic() < deadline:
+                    continue  # only socket events so far
                 raise PeerTimeoutError(
                     f"the engine at {self.address} did not answer {type(body).__name__} in time "
                     "(dead, frozen or unreachable)"
