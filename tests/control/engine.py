@@ -70,6 +70,12 @@ class BlockAllocator:
 
 
 def main() -> None:
+    global _replies
+    # Replies keep the original stdout; fd 1 goes to the log, because engine libraries write
+    # there too (UCX prints "connect ... failed" when a peer dies), which would corrupt a reply.
+    _replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     config = json.loads(sys.argv[1])
     arena, layout = build_cache(config, config["seed"])
     original = [b.copy() for b in arena.buffers]
@@ -155,9 +161,12 @@ def verify(
     return {"ok": True, "bytes": int(sum(b.size for b in arena.buffers))}
 
 
+_replies: Any = None  # the reply stream, set by main()
+
+
 def reply(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    _replies.write(json.dumps(obj) + "\n")
+    _replies.flush()
 
 
 @dataclass
