@@ -26,6 +26,7 @@ from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.groups import GroupKind
 from kvbridge.demo import AddressMap, Arena
 from kvbridge.model_shapes import ModelShape, layout_spec
+from tests.reply_stream import take_stdout
 
 TINY_HYBRID = ModelShape(
     name="tiny-hybrid", source="test shape", num_layers=8, num_kv_heads=2, head_dim=64,
@@ -71,11 +72,7 @@ class BlockAllocator:
 
 def main() -> None:
     global _replies
-    # Replies keep the original stdout; fd 1 goes to the log, because engine libraries write
-    # there too (UCX prints "connect ... failed" when a peer dies), which would corrupt a reply.
-    _replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    _replies = take_stdout()
     config = json.loads(sys.argv[1])
     arena, layout = build_cache(config, config["seed"])
     original = [b.copy() for b in arena.buffers]

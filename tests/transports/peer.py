@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.reply_stream import take_stdout
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -94,9 +96,7 @@ def _die_with_parent() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _die_with_parent()
-    reply_stream = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    reply_stream = take_stdout()
 
     def reply(**payload: Any) -> None:
         reply_stream.write(json.dumps(payload) + "\n")

@@ -177,6 +177,7 @@ class Proxy:
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         try:
             params, prefill_s = await self.run_prefill(path, body, headers)
+            resp, url = await self.run_decode(path, dict(body, kv_transfer_params=params), headers)
         except UpstreamError as exc:
             log.warning("%s", exc.message)
             return error_response(exc.status, exc.message)
@@ -184,25 +185,26 @@ class Proxy:
         for key in ("remote_engine_id", "remote_num_tokens"):
             if params.get(key) is not None:
                 extra[f"x-kvbridge-{key.replace('_', '-')}"] = str(params[key])
-        decode = dict(body, kv_transfer_params=params)
-        url = self.next_decode() + path
-        req = self.client.build_request("POST", url, json=decode, headers=headers)
-        try:
-            resp = await self.client.send(req, stream=bool(body.get("stream")))
-        except httpx.HTTPError as exc:
-            err = _http_failure("decode", url, exc)
-            log.warning("%s", err.message)
-            return error_response(err.status, err.message)
-        if resp.status_code != 200:
-            await resp.aread()
-            await resp.aclose()
-            err = _status_failure("decode", url, resp)
-            log.warning("%s", err.message)
-            return error_response(err.status, err.message)
         media = resp.headers.get("content-type", "application/json")
         if not body.get("stream"):
             return Response(resp.content, media_type=media, headers=extra)
         return StreamingResponse(_relay(resp, url), media_type=media, headers=extra)
+
+    async def run_decode(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[httpx.Response, str]:
+        """D's answer to ``body`` (still open when streamed) and the URL that gave it."""
+        url = self.next_decode() + path
+        req = self.client.build_request("POST", url, json=body, headers=headers)
+        try:
+            resp = await self.client.send(req, stream=bool(body.get("stream")))
+        except httpx.HTTPError as exc:
+            raise _http_failure("decode", url, exc) from exc
+        if resp.status_code != 200:
+            await resp.aread()
+            await resp.aclose()
+            raise _status_failure("decode", url, resp)
+        return resp, url
 
     async def get(self, side: str, url: str) -> Response:
         """A plain GET passed through (status and body), 502 when the server is unreachable."""

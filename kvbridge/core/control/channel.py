@@ -220,6 +220,7 @@ class PeerClient:
         self._seq = 0
         self._socket: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
+        self._poller = zmq.Poller()  # the socket and its monitor, while connected
         self._up = False  # a TCP connection to the peer is established
         self._authenticated = False
 
@@ -235,6 +236,7 @@ class PeerClient:
         if self._monitor is not None:
             self._monitor.close(linger=0)
         self._socket = self._monitor = None
+        self._poller = zmq.Poller()
         self._up = self._authenticated = False
 
     def _connect(self) -> zmq.Socket[bytes]:
@@ -245,6 +247,8 @@ class PeerClient:
             self._monitor = sock.get_monitor_socket(_WATCHED)
             sock.connect(self.address)
             self._socket = sock
+            self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
         return self._socket
 
     def _refused(self) -> bool:
@@ -291,16 +295,12 @@ class PeerClient:
 
     def _call(self, body: Message, deadline: float) -> Message:
         sock = self._connect()
-        assert self._monitor is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         self._seq += 1
         seq = self._seq
         sock.send(encode(seq, body))
         while True:
             remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+            ready = dict(self._poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
             if self._monitor in ready and self._refused():
                 raise PeerRefusedError(
                     f"the engine at {self.address} refused the connection for "

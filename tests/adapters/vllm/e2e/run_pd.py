@@ -326,6 +326,11 @@ def control_prompt(prompts: list[list[int]]) -> list[int]:
     return control
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token sequences differ (within the shorter), or None."""
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
 @dataclass
 class Reference:
     """A model built once and its single-instance outputs (shared by every transport's run)."""
@@ -350,7 +355,7 @@ class Reference:
         ref = self.tokens[i]
         if tokens == ref:
             return "exact"
-        step = next((k for k, (a, b) in enumerate(zip(tokens, ref, strict=False)) if a != b), None)
+        step = first_difference(tokens, ref)
         if (
             step is not None
             and len(tokens) == len(ref)
@@ -505,8 +510,7 @@ def show(ref: Reference, summary: dict[str, Any]) -> None:
 
 
 def _parting(r: dict[str, Any]) -> str:
-    d, ref = r["d_tokens"], r["ref_tokens"]
-    step = next((k for k, (a, b) in enumerate(zip(d, ref, strict=False)) if a != b), None)
+    step = first_difference(r["d_tokens"], r["ref_tokens"])
     return "" if step is None else f" (from token {step})"
 
 
