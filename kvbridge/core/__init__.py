@@ -8,6 +8,7 @@ from kvbridge.core.block_mapping import (
     clip_sliding_window,
     drop_null_blocks,
     logical_to_kernel,
+    pair_block_ids,
     prepare_block_ids,
 )
 from kvbridge.core.boundary import (
@@ -75,6 +76,7 @@ __all__ = [
     "TransportNotFoundError",
     "TransportUnavailableError",
     "align_block_ids",
+    "pair_block_ids",
     "blocks_for_tokens",
     "check_compatible",
     "clip_sliding_window",

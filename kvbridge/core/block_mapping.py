@@ -74,6 +74,45 @@ def align_block_ids(src: IdArray, dst: IdArray, group_index: int) -> IdArray:
     return src[src.size - dst.size :]
 
 
+def pair_block_ids(
+    src_group: CacheGroup, dst_group: CacheGroup, src_ids: object, dst_ids: object
+) -> tuple[IdArray, IdArray]:
+    """Both sides' logical ids of one group, validated and paired position by position.
+
+    The rules are checked on the lists as given, before any clipping, so that a pair whose ids
+    mean different token positions (or different states) is refused instead of moved:
+
+    * ``STATE``: after dropping null placeholders both sides must name the same number of state
+      slots; a slot is a whole recurrent state, so "P's last ones" would be a different state.
+    * ``SLIDING_WINDOW``: the source must hold at least as many blocks as the destination asks
+      for *before* both are clipped to the window; clipping first would pair the source's last
+      blocks with later token positions on the destination.
+    * other paged groups: the source's tail pairs with the destination (``align_block_ids``).
+    """
+    index = dst_group.index
+    d = prepare_block_ids(dst_group, dst_ids, "destination")
+    if src_group.kind is GroupKind.STATE:
+        s = prepare_block_ids(src_group, src_ids, "source")
+        if s.size != d.size:
+            raise BlockIdError(
+                f"group {index} (state): the source names {s.size} state slot(s) and the "
+                f"destination {d.size}; each slot is one whole recurrent state, so both sides "
+                "must name the same slots (check both engines' Mamba cache mode)"
+            )
+        return s, d
+    if src_group.kind is GroupKind.SLIDING_WINDOW:
+        s_all = as_block_ids(src_ids, src_group, "source")
+        d_all = as_block_ids(dst_ids, dst_group, "destination")
+        if s_all.size < d_all.size:
+            raise BlockIdError(
+                f"group {index} (sliding window): the source has {s_all.size} blocks but the "
+                f"destination asks for {d_all.size}; the prefill side did not compute enough "
+                "tokens for this request"
+            )
+    s = prepare_block_ids(src_group, src_ids, "source")
+    return align_block_ids(s, d, index), d
+
+
 def logical_to_kernel(ids: IdArray, ratio: int) -> IdArray:
     """Kernel block ids of logical blocks: ``b`` becomes ``b*ratio ... b*ratio+ratio-1``."""
     if ratio == 1:

@@ -42,8 +42,9 @@ class CacheTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``addr`` is the address of logical block 0 (of K, for attention); ``block_stride`` the bytes
     from one logical block (or state slot) to the next; ``block_bytes`` the bytes of one logical
     block that belong to one part (K, or V, or the whole block for MLA and STATE).
-    Attention tensors also say where V is: ``v_addr`` (K-first) or ``v_offset`` inside each
-    kernel block (blocks-first; default right after K). ``tensor`` tells apart several tensors of
+    Attention tensors also say where V is: ``v_addr`` (K-first) or ``v_offset`` (blocks-first;
+    default right after K), counted per logical block like ``block_bytes``: V starts
+    ``v_offset / ratio`` bytes into each kernel block. ``tensor`` tells apart several tensors of
     one layer (a GDN layer's ``conv`` and ``ssm`` state). ``alloc_addr``/``alloc_size`` name the
     backing allocation to register; by default the tensor's own extent.
     """

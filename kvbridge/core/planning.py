@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.core.block_mapping import align_block_ids, prepare_block_ids
+from kvbridge.core.block_mapping import pair_block_ids
 from kvbridge.core.compat import check_compatible
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
@@ -388,9 +388,8 @@ def plan_transfers(
     pairs: list[_GroupPair] = []
     for index in sorted(dst_block_ids):
         sg, dg = src.group_regions[index], dst.group_regions[index]
-        d_ids = prepare_block_ids(dg.group, dst_block_ids[index], "destination")
-        s_ids = align_block_ids(
-            prepare_block_ids(sg.group, src_block_ids[index], "source"), d_ids, index
+        s_ids, d_ids = pair_block_ids(
+            sg.group, dg.group, src_block_ids[index], dst_block_ids[index]
         )
         pairs.append((sg, dg, s_ids, d_ids))
     plan, extents = _plan_pairs(pairs, merge, sort_runs=merge)

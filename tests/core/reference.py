@@ -14,6 +14,10 @@ from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout
 
 
+class Refused(Exception):
+    """The request's block lists must be refused: moving them would put bytes in wrong places."""
+
+
 def _kept_ids(group: CacheGroup, ids: list[int]) -> list[int]:
     if group.kind is GroupKind.STATE:
         return [i for i in ids if i != group.null_block_id]
@@ -21,6 +25,27 @@ def _kept_ids(group: CacheGroup, ids: list[int]) -> list[int]:
         keep = math.ceil((group.sliding_window or 0) / group.block_size) + 1
         return ids[-keep:]
     return list(ids)
+
+
+def paired_ids(
+    sg: CacheGroup, dg: CacheGroup, s_ids: list[int], d_ids: list[int]
+) -> list[tuple[int, int]]:
+    """(source id, destination id) pairs, or ``Refused`` when the lists cannot mean the same.
+
+    Block lists are both sides' tails of one token sequence: position ``-1`` is the last block
+    on both. The source must cover every position the destination asks for (checked on the
+    lists as given, before a sliding window drops old blocks), and a state slot is a whole
+    state, so STATE groups must name as many real slots on both sides.
+    """
+    if sg.kind is GroupKind.STATE:
+        s, d = _kept_ids(sg, s_ids), _kept_ids(dg, d_ids)
+        if len(s) != len(d):
+            raise Refused(f"state slots {len(s)} vs {len(d)}")
+        return list(zip(s, d, strict=True))
+    if len(s_ids) < len(d_ids):
+        raise Refused(f"source holds {len(s_ids)} blocks, destination asks {len(d_ids)}")
+    s, d = _kept_ids(sg, s_ids), _kept_ids(dg, d_ids)
+    return list(zip(s[len(s) - len(d) :], d, strict=True))
 
 
 def _parts(tensor: CacheTensor, group: CacheGroup) -> list[str]:
@@ -50,15 +75,16 @@ def reference_descriptors(
     src_ids: dict[int, list[int]],
     dst_ids: dict[int, list[int]],
 ) -> list[tuple[int, int, int]]:
-    """``(src, dst, length)`` per token (per slot for STATE) of everything that must move."""
+    """``(src, dst, length)`` per token (per slot for STATE) of everything that must move.
+
+    Raises ``Refused`` when the block lists must be refused.
+    """
     out: list[tuple[int, int, int]] = []
     src_tensors = {(t.layer_name, t.tensor): t for t in src.spec.tensors}
     for index in dst_ids:
         sg, dg = src.groups[index], dst.groups[index]
-        d_blocks = _kept_ids(dg, list(dst_ids[index]))
-        s_blocks = _kept_ids(sg, list(src_ids[index]))
-        assert len(s_blocks) >= len(d_blocks)
-        s_blocks = s_blocks[len(s_blocks) - len(d_blocks) :]
+        pairs = paired_ids(sg, dg, list(src_ids[index]), list(dst_ids[index]))
+        s_blocks, d_blocks = [p for p, _ in pairs], [d for _, d in pairs]
         for dt in dst.spec.tensors:
             if dt.group_index != index:
                 continue

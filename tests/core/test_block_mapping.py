@@ -13,6 +13,7 @@ from kvbridge.core import (
     clip_sliding_window,
     drop_null_blocks,
     logical_to_kernel,
+    pair_block_ids,
     prepare_block_ids,
 )
 
@@ -67,3 +68,21 @@ def test_alignment_takes_the_source_tail_or_fails_clearly():
     assert align_block_ids(ids(1, 2), ids(8, 9), 0).tolist() == [1, 2]
     with pytest.raises(BlockIdError, match="source has 1 blocks but the destination asks for 2"):
         align_block_ids(ids(1), ids(8, 9), 0)
+
+
+def test_sliding_window_source_with_fewer_blocks_is_refused_before_clipping():
+    # P [1,2,3], D [4,5,6,7], window 4, block 4: clipping first would give D block 7 P's
+    # tokens 8-11 (block 3) for its tokens 12-15.
+    group = CacheGroup(0, GroupKind.SLIDING_WINDOW, 4, 10, sliding_window=4)
+    with pytest.raises(BlockIdError, match="source has 3 blocks but the destination asks for 4"):
+        pair_block_ids(group, group, [1, 2, 3], [4, 5, 6, 7])
+    s, d = pair_block_ids(group, group, [1, 2, 3, 8, 9], [4, 5, 6, 7])
+    assert (s.tolist(), d.tolist()) == ([8, 9], [6, 7])
+
+
+def test_state_groups_must_name_as_many_slots_on_both_sides():
+    group = CacheGroup(1, GroupKind.STATE, 16, 10, null_block_id=0)
+    with pytest.raises(BlockIdError, match=r"2 state slot.*destination 1"):
+        pair_block_ids(group, group, [0, 3, 4], [0, 0, 5])
+    s, d = pair_block_ids(group, group, [0, 0, 3], [0, 5])
+    assert (s.tolist(), d.tolist()) == ([3], [5])
