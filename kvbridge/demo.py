@@ -165,7 +165,11 @@ def _redirect_engine_log(config: DemoConfig, role: str) -> None:
 def _control_plane(config: DemoConfig, layout: Layout) -> Iterator[ControlPlane]:
     with load_transport(config.transport, **config.transport_options) as transport:
         plane = ControlPlane(
-            layout, transport, secret=config.secret, timeout=config.timeout, lease=config.timeout
+            layout,
+            transport,
+            secret=config.secret,
+            timeout=config.timeout,
+            lease=3 * config.timeout,
         )
         try:
             yield plane

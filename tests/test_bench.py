@@ -62,7 +62,10 @@ def test_transfer_results_cover_every_usable_transport_and_were_verified(small_r
         modes = set(r["seconds"])
         assert {"kvbridge", "transport", "memcpy"} <= modes <= set(MODES)
         assert all(r["gbps"][m] > 0 for m in modes) and r["gbps"]["kvbridge_transfer"] > 0
-        assert set(r["ratios"]) == {"kvbridge/raw", "transport/raw", "raw/memcpy"}
+        assert set(r["ratios"]) == {"kvbridge/raw", "transport/raw", "raw/memcpy",
+                                    "verify-sample/kvbridge", "verify-full/kvbridge"}  # fmt: skip
+        assert {"verify-sample", "verify-full"} <= modes
+        assert all(r["verify_ms"][m] > 0 for m in ("verify-sample", "verify-full"))
         if "raw" in modes:  # the baseline in benchmarks/ covers mooncake and nixl
             assert r["ratios"]["kvbridge/raw"] > 0
     # the tables render from the same document

@@ -115,6 +115,8 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
                 _num(g.get("memcpy")), _num(g.get("raw")), _num(g.get("kvbridge")),
                 _num(g.get("kvbridge_transfer")), _num(g.get("transport")),
                 _num(q.get("kvbridge/raw")), _num(q.get("raw/memcpy")), _num(r["plan_ms"], 2),
+                _num(g.get("verify-sample")), _num(g.get("verify-full")),
+                _num((r.get("verify_ms") or {}).get("verify-full"), 1),
             ]
         )  # fmt: skip
     s = doc["settings"]
@@ -125,11 +127,14 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
         "descriptors copied in one process. raw: the engine's own API on the same descriptor "
         "arrays. kvbridge: end to end through the control plane (pull: request, plan, submit, "
         "wait, release); transfer only: its submit and wait. no ctl. plane: kvbridge's plan + "
-        "`Transport.transfer` alone. Ratios are medians of per-repetition ratios."
+        "`Transport.transfer` alone. Ratios are medians of per-repetition ratios. verify "
+        "sample/full: kvbridge with the integrity check on (xxh3 digests of 1 in 16 / all "
+        "descriptors on both sides); verify ms: the full check's own time."
     ]
     headers = [
         "transport", "shape", "MiB", "desc.", "memcpy", "raw", "kvbridge", "transfer only",
-        "no ctl. plane", "kvbridge/raw", "raw/memcpy", "plan ms",
+        "no ctl. plane", "kvbridge/raw", "raw/memcpy", "plan ms", "verify sample", "verify full",
+        "verify ms",
     ]  # fmt: skip
     title = "Moving one request between two processes (GB/s)"
     return Grid(title, headers, rows, notes, left=(0, 1))

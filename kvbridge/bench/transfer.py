@@ -5,6 +5,8 @@ model shape (filled so that every 8-byte word is distinct) and move the same req
 
 * ``kvbridge``: end to end through the control plane in pull mode (decode asks prefill, plans,
   submits, waits, releases); timed on the decode side from ``pull`` to the request's outcome.
+* ``verify-sample``, ``verify-full``: the same with the integrity check on (``verify``): both
+  sides digest the moved bytes (a sample of the descriptors, or all) before the outcome.
 * ``transport``: kvbridge without the control plane: plan, then ``Transport.transfer``.
 * ``raw``: the engine's own Python API on the same descriptor arrays, no kvbridge code
   (``benchmarks/raw_engines.py`` in the source tree).
@@ -39,6 +41,7 @@ import numpy as np
 from kvbridge.bench.cases import CASES, BenchCase, load_source_module, request_ids
 from kvbridge.core.boundary import remote_prefill_token_count
 from kvbridge.core.control.plane import ControlPlane, TransferParams
+from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import plan_transfers
 from kvbridge.core.registry import load_transport
@@ -46,7 +49,7 @@ from kvbridge.core.transport import TransferOp, Transport
 from kvbridge.demo import Arena
 from kvbridge.model_shapes import bump_allocator
 
-MODES = ("kvbridge", "transport", "raw", "memcpy")
+MODES = ("kvbridge", "verify-sample", "verify-full", "transport", "raw", "memcpy")
 #: The raw engine baseline, in the source tree: what kvbridge is measured against.
 RAW_PATH = "benchmarks/raw_engines.py"
 RAW_MODULE = "kvbridge_bench_raw_engines"
@@ -200,7 +203,7 @@ class _Decode:
     def run(self, mode: str, payload: Any, verify: bool) -> dict[str, float]:
         if verify:
             self._zero()
-        result: dict[str, float] = getattr(self, f"_{mode}")(payload)
+        result: dict[str, float] = getattr(self, f"_{mode.replace('-', '_')}")(payload)
         if verify and self._digest() != self.expected:
             raise BenchError(
                 f"{mode}: the decode cache differs from what the prefill cache holds after "
@@ -208,7 +211,14 @@ class _Decode:
             )
         return result
 
-    def _kvbridge(self, params: dict[str, Any]) -> dict[str, float]:
+    def _verify_sample(self, params: dict[str, Any]) -> dict[str, float]:
+        return self._kvbridge(params, Verify.SAMPLE)
+
+    def _verify_full(self, params: dict[str, Any]) -> dict[str, float]:
+        return self._kvbridge(params, Verify.FULL)
+
+    def _kvbridge(self, params: dict[str, Any], verify: Verify = Verify.OFF) -> dict[str, float]:
+        self.plane.verify = verify
         request = TransferParams.from_dict(params)
         start = time.perf_counter()
         self.plane.pull(request, self.ids)
@@ -223,6 +233,7 @@ class _Decode:
             "transfer_seconds": stats.transfer_s,
             "plan_seconds": stats.plan_s,
             "handshake_seconds": stats.handshake_s,
+            "verify_seconds": stats.verify_s,
         }
 
     def _transport(self, _: object) -> dict[str, float]:
@@ -382,6 +393,12 @@ def _summary(
             "kvbridge/raw": ratio("raw", "kvbridge"),
             "transport/raw": ratio("raw", "transport"),
             "raw/memcpy": ratio("memcpy", "raw"),
+            "verify-sample/kvbridge": ratio("kvbridge", "verify-sample"),
+            "verify-full/kvbridge": ratio("kvbridge", "verify-full"),
+        },
+        "verify_ms": {
+            mode: _median([s["verify_seconds"] * 1e3 for s in samples.get(mode, [])])
+            for mode in ("verify-sample", "verify-full")
         },
         "verified": True,
     }
@@ -442,8 +459,8 @@ def _measure_case(
         for mode in modes if rep == 0 else orders[(rep - 1) % len(orders)]:
             advance(f"transfer {transport} {spec.case} rep {rep}/{settings.reps} {mode}")
             payload = None
-            if mode == "kvbridge":
-                payload = prefill.call(slow, "publish", f"bench-{spec.case}-{rep}")
+            if mode in ("kvbridge", "verify-sample", "verify-full"):
+                payload = prefill.call(slow, "publish", f"bench-{spec.case}-{rep}-{mode}")
             out = decode.call(slow, "run", mode, payload, rep == 0)
             if rep:
                 samples[mode].append(out)

@@ -35,6 +35,7 @@ from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Part, Region
 from kvbridge.core.planning import TransferPlan, merge_descriptors, plan_transfers
 from kvbridge.core.transport import (
+    Fence,
     MemoryKind,
     MemoryRange,
     TransferHandle,
@@ -56,6 +57,7 @@ __all__ = [
     "LayoutError",
     "LayoutMismatchError",
     "LayoutSpec",
+    "Fence",
     "MemoryKind",
     "MemoryRange",
     "Part",

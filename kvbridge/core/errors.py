@@ -57,3 +57,7 @@ class TransferError(TransportError):
 
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not finish within its timeout; its resources were released."""
+
+
+class IntegrityError(KvbridgeError):
+    """The bytes a side received differ from what the other side sent (``verify`` check)."""

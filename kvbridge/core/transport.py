@@ -52,6 +52,20 @@ PENDING = TransferStatus(TransferState.PENDING)
 DONE = TransferStatus(TransferState.DONE)
 
 
+class Fence(enum.Enum):
+    """Whether bytes of a finished (or released) batch can still land; see ``Transport.fence``."""
+
+    #: Nothing of the batch is in the engine: no byte of it can move any more.
+    DRAINED = "drained"
+    #: The engine still holds part of the batch (it will come back, at the latest after the
+    #: engine's own timeout): keep the memory out of use and ask again.
+    PENDING = "pending"
+    #: The engine gave a part up without knowing whether the peer got it (the engine's own
+    #: timeout on a frozen peer, or a cancelled transfer): bytes the peer already holds may
+    #: still be applied when it resumes. Confirm with the peer before reusing the memory.
+    UNCONFIRMED = "unconfirmed"
+
+
 class MemoryKind(enum.Enum):
     """Where a registered range lives."""
 
@@ -165,7 +179,32 @@ class Transport(abc.ABC):
         """State of a batch; a batch past its deadline is released and reported ``FAILED``."""
 
     def release(self, handle: TransferHandle) -> None:
-        """Free what the engine holds for a finished or abandoned batch."""
+        """Abandon a batch: it ends ``FAILED`` unless it finished; no further part of it starts.
+
+        Parts the engine already holds may still move afterwards: ``fence`` tells when they no
+        longer can.
+        """
+
+    def fence(self, handle: TransferHandle, timeout: float) -> Fence:
+        """Release the batch if unfinished, then wait up to ``timeout`` s for its ``Fence``.
+
+        After a failed, timed-out or abandoned transfer the memory it touched may be reused
+        only once this returns ``DRAINED`` (or the peer confirmed, for ``UNCONFIRMED``).
+        The default suits engines whose release cancels at once: a finished batch is drained.
+        """
+        self.release(handle)
+        deadline = time.monotonic() + timeout
+        delay = 1e-4
+        while (state := self.fence_state(handle)) is Fence.PENDING:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return state
+
+    def fence_state(self, handle: TransferHandle) -> Fence:
+        """``Fence`` of a batch now, without waiting (``PENDING`` while it is unfinished)."""
+        return Fence.DRAINED if self.poll(handle).finished else Fence.PENDING
 
     @abc.abstractmethod
     def close(self) -> None:

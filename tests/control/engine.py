@@ -8,7 +8,9 @@ seed, so any process can regenerate another engine's cache to check bytes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -78,12 +80,19 @@ def main() -> None:
     original = [b.copy() for b in arena.buffers]
     import kvbridge
 
-    transport = kvbridge.load_transport(config["transport"], **config.get("options", {}))
+    # One timeout for the control plane and the transport, as the adapters configure them.
+    options = dict(config.get("options", {}))
+    timeout = float(config.get("timeout", options.get("timeout", 10.0)))
+    options["timeout"] = timeout
+    transport = kvbridge.load_transport(config["transport"], **options)
     plane = ControlPlane(
         layout, transport, engine_id=config.get("engine_id"), secret=config.get("secret"),
-        timeout=config.get("timeout", 10.0), lease=config.get("lease", 30.0),
+        timeout=timeout, lease=config.get("lease", 30.0),
         handshake_timeout=config.get("handshake_timeout", 5.0),
+        verify=config.get("verify", "off"),
     )  # fmt: skip
+    for fault in config.get("faults", ()):
+        inject_fault(plane, fault)
     reply({"endpoint": plane.endpoint, "engine_id": plane.engine_id, "pid": os.getpid()})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -128,12 +137,100 @@ def handle(
             return {r: lease.puller for r, lease in plane._leases.items()}
     if name == "verify":
         return verify(cmd, config, arena, layout, original)
+    if name == "fault":  # switch an injected fault on or off while the engine runs
+        if cmd.get("on", True):
+            inject_fault(plane, cmd["name"])
+        else:
+            remove_faults(plane)
+        return {"fault": cmd["name"], "on": cmd.get("on", True)}
+    if name == "check":  # the destination bytes of one request, against its source's cache
+        return check_request(cmd, layout, arena)
+    if name == "digest":  # what every buffer holds now
+        return [hashlib.sha256(b.tobytes()).hexdigest() for b in arena.buffers]
+    if name == "held":
+        return plane.held
+    if name == "pending_push":
+        with plane._lock:
+            return sorted(plane._pending_push)
     if name == "close":
         plane.close()
         registered = getattr(plane.transport, "registered", None)
         plane.transport.close()
         return {"leased": plane.leased, "registered_after_plane_close": len(registered or [])}
     raise ValueError(f"unknown command {name}")
+
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def remove_faults(plane: ControlPlane) -> None:
+    """Undo every injected fault (the instance attributes shadowing the real methods go)."""
+    for attr in _ORIGINALS:
+        owner = plane.transport if attr.startswith("transport.") else plane
+        owner.__dict__.pop(attr.removeprefix("transport."), None)
+    _ORIGINALS.clear()
+
+
+def inject_fault(plane: ControlPlane, fault: str) -> None:
+    """Faults the real parts cannot produce on demand; the rest of the plane stays real."""
+    if fault == "drop_push_done":  # P never manages to tell D how a push ended
+        plane._deliver = lambda endpoint, done: None  # type: ignore[method-assign]
+        _ORIGINALS["_deliver"] = 1
+    elif fault == "corrupt_received":  # D: a byte of each descriptor changes after it landed
+        submit, wait, on_push_done = (
+            plane.transport.submit,
+            plane.transport.wait,
+            plane._on_push_done,
+        )
+        first: dict[int, list[int]] = {}
+
+        def flip(addrs: list[int]) -> None:
+            for addr in addrs:
+                cell = ctypes.c_uint8.from_address(addr)
+                cell.value ^= 0xFF
+
+        def submit_(op, peer, local, remote, lengths):  # type: ignore[no-untyped-def]
+            handle = submit(op, peer, local, remote, lengths)
+            first[id(handle)] = [int(a) for a in local]
+            return handle
+
+        def wait_(handle, timeout=None):  # type: ignore[no-untyped-def]
+            wait(handle, timeout)
+            flip(first[id(handle)])
+
+        def on_push_done_(body):  # type: ignore[no-untyped-def]
+            pending = plane._pending.get(body.request_id)
+            if pending is not None and body.ok:
+                remote = next(iter(plane._by_endpoint.values()))
+                plan = plan_transfers(remote.layout, plane.layout, pending.params.block_ids,
+                                      pending.block_ids)  # fmt: skip
+                flip(plan.dst.tolist())
+            on_push_done(body)
+
+        plane.transport.submit = submit_  # type: ignore[method-assign]
+        plane.transport.wait = wait_  # type: ignore[method-assign]
+        plane._on_push_done = on_push_done_  # type: ignore[method-assign]
+        _ORIGINALS.update({"transport.submit": 1, "transport.wait": 1, "_on_push_done": 1})
+    else:
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+_SOURCES: dict[str, tuple[Arena, Layout]] = {}
+
+
+def check_request(cmd: dict[str, Any], layout: Layout, arena: Arena) -> dict[str, Any]:
+    """Compare what one request's plan put in this engine with its source engine's bytes."""
+    key = json.dumps(cmd["source"], sort_keys=True)
+    if key not in _SOURCES:
+        _SOURCES[key] = build_cache(cmd["source"], cmd["source"]["seed"])
+    p_arena, p_layout = _SOURCES[key]
+    plan = plan_transfers(p_layout, layout, {int(k): v for k, v in cmd["p_ids"].items()},
+                          {int(k): v for k, v in cmd["d_ids"].items()})  # fmt: skip
+    src, dst = AddressMap(p_arena.bases, p_arena.buffers), AddressMap(arena.bases, arena.buffers)
+    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True):
+        if not np.array_equal(src.view(s, n), dst.view(d, n)):
+            return {"ok": False, "descriptor": [s, d, n]}
+    return {"ok": True, "bytes": int(plan.nbytes)}
 
 
 def verify(
@@ -227,7 +324,8 @@ class EngineProcess:
                 self.proc.wait(10)
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
-                stream.close()
+                with contextlib.suppress(OSError):  # a killed engine's pipe may be broken
+                    stream.close()
         return result
 
 

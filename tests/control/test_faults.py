@@ -40,8 +40,8 @@ def assert_nothing_left(p):
 
 
 def test_decode_killed_mid_transfer_prefill_frees_at_lease_expiry(engines, transport):
-    lease = 3.0
-    p = engines("prefill", transport, seed=41, lease=lease, **BIG)
+    lease = 3.0  # at least twice the control timeout, which it must outlive
+    p = engines("prefill", transport, seed=41, lease=lease, timeout=1.5, **BIG)
     d = engines("decode", transport, seed=42, **BIG)
     params = publish(p, "big", tokens=4000)
     d_ids = BlockAllocator(d.layout, 2).request(4000)

@@ -33,6 +33,7 @@ from kvbridge.core.errors import (
 )
 from kvbridge.core.registry import load_transport_class
 from kvbridge.core.transport import (
+    Fence,
     MemoryKind,
     MemoryRange,
     TransferOp,
@@ -647,4 +648,49 @@ class TransportConformance:
             type(self).__name__, "peer frozen before first contact", time.monotonic() - start, limit
         )
         frozen.kill()
+        self._still_works(agent, spawn_peer, peer_bytes)
+
+    # -- fences -------------------------------------------------------------------------------
+
+    #: how long a peer that answers again may still take to apply bytes it had received
+    fence_grace: ClassVar[float] = 1.0
+
+    def _settle(self, agent: Agent, handle: Any, peer: PeerProcess, fence: Fence) -> None:
+        """Complete a fence the way the control plane does: wait out the engine, or confirm an
+        ``UNCONFIRMED`` one by the peer answering again, then its grace."""
+        if fence is Fence.PENDING:
+            fence = agent.transport.fence(handle, agent.transport.timeout + self.fault_margin)
+            assert fence is not Fence.PENDING, "the engine never gave the batch back"
+        if fence is Fence.UNCONFIRMED:
+            peer.call(cmd="ping")  # the peer answers: it runs again
+            time.sleep(self.fence_grace)
+
+    @pytest.mark.timeout(120)
+    @pytest.mark.parametrize("op", [WRITE, READ], ids=["write", "read"])
+    def test_nothing_lands_after_the_fence(self, make_agent, spawn_peer, peer_bytes, op) -> None:
+        """A batch given up while the peer is frozen: once fenced, no byte of it lands."""
+        agent = make_agent(self.fault_options)
+        peer = spawn_peer(seed=11)
+        agent.transport.connect("p", peer.metadata)
+        agent.transport.transfer(WRITE, "p", agent.at([32 * MiB]), at(peer, [32 * MiB]), [MiB])
+        size = 16 * MiB
+        agent.buf[:size] = random_bytes(12, size)
+        peer.freeze()
+        handle = agent.transport.submit(op, "p", agent.at([0]), at(peer, [0]), [size])
+        time.sleep(0.3)  # the engine takes it (or, through the kernel, even finishes it)
+        before = agent.transport.poll(handle).state
+        fence = agent.transport.fence(handle, 0.5)
+        assert agent.transport.poll(handle).finished
+        if before is TransferState.DONE:
+            assert fence is Fence.DRAINED
+        else:
+            assert agent.transport.poll(handle).state is TransferState.FAILED
+            assert fence in (Fence.PENDING, Fence.UNCONFIRMED), "fenced while the peer is frozen"
+        time.sleep(1.0)
+        peer.thaw()
+        self._settle(agent, handle, peer, fence)
+        remote, local = peer_bytes(peer).copy(), agent.buf.copy()
+        time.sleep(2.0)
+        assert_same_bytes(peer_bytes(peer), remote, "the peer's buffer after the fence")
+        assert_same_bytes(agent.buf, local, "the local buffer after the fence")
         self._still_works(agent, spawn_peer, peer_bytes)

@@ -138,6 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
                     np.asarray(cmd["lengths"], dtype=np.uint64),
                 )
                 reply(ok=True)
+            elif name == "ping":  # answers once the peer runs (after a freeze)
+                reply(ok=True)
             elif name == "exit":
                 transport.close()
                 reply(ok=True)

@@ -9,7 +9,8 @@ starts publishes, loads and releases without blocking the forward pass. Options 
 of the transport), ``mode`` (``pull`` or ``push``), ``host`` (side channel, ``127.0.0.1``),
 ``port`` (side channel of TP rank 0, default 5790; rank r uses port + r), ``timeout`` (s),
 ``lease`` (s), ``secret`` (shared token authenticating peers), ``kv_split`` (``head_kv`` for
-vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform).
+vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform), ``verify``
+(``off``, ``sample``, ``full``: digest what was moved on both sides; a mismatch fails the load).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvbridge.adapters.vllm.layout import (
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
+from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport
 
@@ -72,6 +74,7 @@ class Options:
     lease: float = 30.0
     secret: str | None = None
     kv_split: str | None = None
+    verify: Verify = Verify.OFF
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, default_transport: str | None) -> Options:
@@ -93,7 +96,30 @@ class Options:
                 )
         if "mode" in extra:
             extra["mode"] = Mode(extra["mode"])
+        if "verify" in extra:
+            try:
+                extra["verify"] = Verify(extra["verify"])
+            except ValueError:
+                raise ValueError(
+                    f"kvbridge option verify={extra['verify']!r}: use 'off', 'sample' or 'full'"
+                ) from None
         return cls(**extra)
+
+    def transport_timed(self) -> dict[str, Any]:
+        """The transport's options with ``timeout`` set from the connector's one ``timeout``.
+
+        One bound for the whole transfer: the control plane's waits, the transport's deadline
+        and (Mooncake) the engine's own ``MC_TRANSFER_TIMEOUT``; two bounds that disagree let
+        a side give up while the other still moves bytes.
+        """
+        options = dict(self.transport_options)
+        given = options.setdefault("timeout", self.timeout)
+        if float(given) != float(self.timeout):
+            raise ValueError(
+                f"transport_options.timeout ({given}) differs from the connector's timeout "
+                f"({self.timeout}); set only 'timeout' in kv_connector_extra_config"
+            )
+        return options
 
 
 def _tp(vllm_config: Any) -> tuple[int, int]:
@@ -206,11 +232,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         spec = build_layout_spec(
             self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size
         )
-        transport = load_transport(self.options.transport, **self.options.transport_options)
+        transport = load_transport(self.options.transport, **self.options.transport_timed())
         self.plane = ControlPlane(
             Layout(spec), transport, engine_id=self.engine_id, host=self.options.host,
             port=self.options.port + tp_rank, secret=self.options.secret,
-            timeout=self.options.timeout, lease=self.options.lease,
+            timeout=self.options.timeout, lease=self.options.lease, verify=self.options.verify,
         )  # fmt: skip
         log.info("kvbridge: %s registered, side channel %s", self.engine_id, self.plane.endpoint)
 
@@ -239,6 +265,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                     plane.push(params, load.block_ids)
                 else:
                     plane.pull(params, load.block_ids)
+                log.debug("kvbridge: load of %s started (%s)", load.request_id, params.mode.value)
             except Exception as err:
                 log.error("kvbridge: load of %s failed to start: %s", load.request_id, err)
                 self._failed_now.add(load.request_id)
@@ -271,8 +298,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return results
         results.finished_sending.update(self._early)
         self._early.clear()
-        failed = set(self._failed_now)
-        self._failed_now = set()
+        failed, self._failed_now = self._failed_now, set()
+        for _ in failed:
+            self._stats.record_failure()
         for outcome in self.plane.poll_finished():
             rid = outcome.request_id
             if rid in self._sending:
@@ -283,15 +311,19 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             elif rid in self._recving:
                 local = self._recving.pop(rid)
                 if outcome.ok:
+                    log.debug("kvbridge: load of %s done", local)
                     results.finished_recving.add(local)
                     self._stats.record(outcome.stats)
                 else:
                     log.warning("kvbridge: load of %s failed: %s", local, outcome.reason)
                     failed.add(local)
+                    self._stats.record_failure(outcome.stats)
         for rid in failed:
-            self._stats.record_failure()
             results.finished_recving.add(rid)
             results.failed_recving.add(rid)
+        held = len(self.plane.held)
+        if held:
+            self._stats.record_held(held)
         return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

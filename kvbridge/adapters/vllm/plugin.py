@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
 import sys
 
@@ -36,6 +37,26 @@ def request_amx_permission() -> bool:
         return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
     except (OSError, AttributeError):
         return False
+
+
+def configure_logging() -> None:
+    """Show kvbridge's log lines at ``KVBRIDGE_LOG_LEVEL`` (e.g. ``DEBUG``) in every process.
+
+    vLLM configures only its own ``vllm`` logger, so without this kvbridge's lines below
+    WARNING go nowhere. Unset: logging is left as the application configured it.
+    """
+    level = os.environ.get("KVBRIDGE_LOG_LEVEL", "").strip().upper()
+    if not level:
+        return
+    logger = logging.getLogger("kvbridge")
+    if not any(getattr(h, "_kvbridge", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        fmt = "%(asctime)s.%(msecs)03d %(process)d %(name)s %(levelname)s %(message)s"
+        handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
+        handler._kvbridge = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
 
 
 def connector_names() -> dict[str, str | None]:
@@ -72,6 +93,7 @@ def __getattr__(name: str) -> type:
 def register() -> None:
     """The entry point: register every connector name with vLLM's factory (idempotent)."""
     request_amx_permission()
+    configure_logging()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # vLLM absent or too old: nothing to register with

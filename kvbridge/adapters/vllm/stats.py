@@ -19,8 +19,15 @@ from kvbridge.core.control.plane import RequestStats
 SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "handshake_s")
 
 
+#: Counters summed over workers and intervals: failed loads; of those, the ones that waited for a
+#: fence (and how long) and those whose fence needed the peer's word; requests held (the most at
+#: one time: blocks out of use while a silent peer may still deliver bytes); loads whose
+#: integrity check (``verify``) found a difference.
+COUNTERS = ("failed", "fenced", "unconfirmed", "held", "verify_failed")
+
+
 def _empty() -> dict[str, Any]:
-    return {**{name: [] for name in SERIES}, "failed": 0}
+    return {**{name: [] for name in SERIES}, **dict.fromkeys(COUNTERS, 0), "fence_s": []}
 
 
 @dataclass
@@ -38,22 +45,34 @@ class KVBridgeStats(KVConnectorStats):
         for name in SERIES:
             self.data[name].append(getattr(stats, name))
 
-    def record_failure(self) -> None:
+    def record_failure(self, stats: RequestStats | None = None) -> None:
         """A load that failed (vLLM recomputes it under ``kv_load_failure_policy=recompute``)."""
         self.data["failed"] += 1
+        if stats is not None and stats.fence_s > 0:
+            self.data["fenced"] += 1
+            self.data["fence_s"].append(stats.fence_s)
+        if stats is not None and stats.unconfirmed:
+            self.data["unconfirmed"] += 1
+        if stats is not None and stats.verify_failed:
+            self.data["verify_failed"] += 1
+
+    def record_held(self, count: int) -> None:
+        """Requests whose blocks wait for a fence right now."""
+        self.data["held"] = max(int(self.data["held"]), count)
 
     def reset(self) -> None:
         self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> KVBridgeStats:
         if not other.is_empty():
-            for name in SERIES:
+            for name in (*SERIES, "fence_s"):
                 self.data[name].extend(other.data.get(name, ()))
-            self.data["failed"] += int(other.data.get("failed", 0))
+            for name in COUNTERS:
+                self.data[name] += int(other.data.get(name, 0))
         return self
 
     def is_empty(self) -> bool:
-        return not self.data["nbytes"] and not self.data["failed"]
+        return not self.data["nbytes"] and not any(self.data[name] for name in COUNTERS)
 
     def reduce(self) -> dict[str, int | float]:
         nbytes = np.asarray(self.data["nbytes"], dtype=np.float64)
@@ -62,6 +81,11 @@ class KVBridgeStats(KVConnectorStats):
             "transfers": int(nbytes.size),
             "failed": int(self.data["failed"]),
         }
+        for name in ("fenced", "unconfirmed", "held", "verify_failed"):
+            if self.data[name]:
+                out[name] = int(self.data[name])
+        if self.data["fence_s"]:
+            out["max_fence_ms"] = round(float(np.max(self.data["fence_s"])) * 1e3, 3)
         if nbytes.size == 0:
             return out
         total_s = float(seconds.sum())

@@ -87,14 +87,23 @@ class Abort(Message, tag="abort"):
 
 
 class PushRequest(Message, tag="push_request"):
-    """D -> P (push): write the request into these D blocks, then send ``PushDone``."""
+    """D -> P (push): write the request into these D blocks, then send ``PushDone``.
+
+    ``verify`` (``off``, ``sample``, ``full``): P adds the digest of what it wrote.
+    """
 
     request_id: RequestId
     block_ids: BlockIds
+    verify: Annotated[str, msgspec.Meta(max_length=16)] = "off"
 
 
 class PushDone(Message, tag="push_done"):
-    """P -> D (push): the request's bytes are written (``ok``) or will never be."""
+    """P -> D (push): the request's bytes are written (``ok``) or will never be.
+
+    Sent only after P's fence: no byte of a failed write is still in P's engine. ``unconfirmed``:
+    P's engine gave part of the write up on its own timeout, so D (the receiver) may still hold
+    bytes of it that it has not applied; D waits its grace before reusing the blocks.
+    """
 
     request_id: RequestId
     ok: bool
@@ -104,6 +113,35 @@ class PushDone(Message, tag="push_done"):
     descriptors_before_merge: int = 0
     plan_s: float = 0.0
     transfer_s: float = 0.0
+    unconfirmed: bool = False
+    #: digest of the bytes written, when the push request asked for a check
+    digest: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class PushQuery(Message, tag="push_query"):
+    """D -> P (push): how did the push of this request end? ``PushDone`` if it ended, ``Ok`` while
+    P may still write, ``unknown_request`` when P holds no write of it (D missed ``PushDone``,
+    or gave up waiting and must know that no byte can still arrive)."""
+
+    request_id: RequestId
+
+
+class DigestRequest(Message, tag="digest_request"):
+    """D -> P (pull, ``verify`` on): digest the bytes D read into these D blocks, as P has them."""
+
+    request_id: RequestId
+    block_ids: BlockIds
+    verify: Annotated[str, msgspec.Meta(max_length=16)]
+
+
+class Digest(Message, tag="digest"):
+    """P -> D: the digest asked for."""
+
+    value: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Ping(Message, tag="ping"):
+    """Any -> any: answered ``Ok`` (the peer is alive and serving)."""
 
 
 # -- replies --------------------------------------------------------------------------------------
@@ -120,7 +158,7 @@ class ErrorReply(Message, tag="error"):
 
 AnyMessage = (
     Hello | Challenge | Auth | Handshake | PullStart | Release | Abort | PushRequest | PushDone
-    | Ok | ErrorReply
+    | PushQuery | DigestRequest | Digest | Ping | Ok | ErrorReply
 )  # fmt: skip
 
 

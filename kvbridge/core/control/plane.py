@@ -1,10 +1,17 @@
-"""The P/D control plane: handshake, pull and push request flow, leases, timeouts.
+"""The P/D control plane: handshake, pull and push request flow, leases, timeouts, fences.
 
 One ``ControlPlane`` per engine (worker). The prefill side *publishes* a request's blocks under a
 lease and hands the returned ``TransferParams`` to the decode side through the serving engine;
 the decode side *pulls* (reads, then releases) or asks for a *push* (P writes, then says done).
-Every wait is bounded; every request ends in a ``RequestOutcome`` the adapter collects with
-``poll_finished``: on P, "these blocks may be freed"; on D, "this load finished or failed".
+Every request ends in a ``RequestOutcome`` the adapter collects with ``poll_finished``: on P,
+"these blocks may be freed"; on D, "this load finished or failed".
+
+Fences: a failed, timed-out or aborted transfer is reported only once none of its bytes can still
+land (``Transport.fence``). A pull is fenced by D's own transport. A push is fenced by P, which
+says so in ``PushDone``; D never fails a push on its own clock: past its deadline it aborts the
+push and asks P how it ended (``PushQuery``) until P answers or is gone. While P is alive but not
+answering, the request's blocks stay out of circulation (``held``, logged); that costs time,
+never a wrong byte.
 """
 
 from __future__ import annotations
@@ -26,23 +33,34 @@ import numpy as np
 
 from kvbridge.core.block_mapping import prepare_block_ids
 from kvbridge.core.compat import check_compatible
-from kvbridge.core.control.channel import ControlError, Endpoint, PeerClient
+from kvbridge.core.control.channel import (
+    ControlError,
+    Endpoint,
+    PeerClient,
+    PeerRefusedError,
+    PeerTimeoutError,
+)
 from kvbridge.core.control.messages import (
     Abort,
     BlockIds,
+    Digest,
+    DigestRequest,
     Handshake,
     Message,
     MessageError,
     Ok,
+    Ping,
     PullStart,
     PushDone,
+    PushQuery,
     PushRequest,
     Release,
 )
-from kvbridge.core.errors import KvbridgeError, LayoutMismatchError
+from kvbridge.core.errors import IntegrityError, KvbridgeError, LayoutMismatchError
+from kvbridge.core.integrity import Verify, chosen, digest
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import plan_transfers
-from kvbridge.core.transport import TransferOp, Transport
+from kvbridge.core.transport import Fence, TransferHandle, TransferOp, Transport
 
 log = logging.getLogger("kvbridge.control")
 
@@ -87,6 +105,13 @@ class RequestStats:
     nbytes: int = 0
     descriptors: int = 0
     descriptors_before_merge: int = 0
+    #: time between giving a transfer up and the fence (no byte of it can still land)
+    fence_s: float = 0.0
+    #: the fence needed the peer's word (the engine gave part of the transfer up blind)
+    unconfirmed: bool = False
+    #: time spent on the integrity check (``verify``), and whether it found a difference
+    verify_s: float = 0.0
+    verify_failed: bool = False
 
 
 @dataclass
@@ -107,6 +132,9 @@ class _Lease:
     expires_at: float
     puller: str | None = None
     pushing: bool = False
+    #: P's write in flight (push), released when D aborts
+    handle: TransferHandle | None = None
+    aborted: bool = False
 
 
 @dataclass
@@ -128,6 +156,15 @@ class _Pending:
     deadline: float
     stats: RequestStats = field(default_factory=RequestStats)
     aborted: bool = False
+    abort_reason: str = ""
+    #: D's own read in flight (pull), released when the request is aborted
+    handle: TransferHandle | None = None
+    #: push: the push request was sent (or failed); only then may D ask how the push ended
+    asked: threading.Event = field(default_factory=threading.Event)
+    #: push: D is asking P how the push ended (deadline passed, aborted, or PushQuery)
+    settling: bool = False
+    #: since when the outcome waits for a fence (0: not waiting)
+    held_since: float = 0.0
 
 
 def default_engine_id() -> str:
@@ -138,9 +175,14 @@ class ControlPlane:
     """Side channel plus request flow for one engine, on top of its layout and transport.
 
     The layout's memory is registered with the transport here and released by ``close``.
-    ``timeout`` bounds every side-channel call and every transfer wait; ``lease`` is how long P
-    keeps a published request's blocks when D never releases them; ``handshake_timeout`` bounds
-    the retries of a handshake.
+    ``timeout`` bounds every side-channel call; transfers are bounded by the transport's own
+    ``timeout`` (give both the same value: the adapters do). ``lease`` is how long P keeps a
+    published request's blocks when D never releases them (extended while D reads them);
+    ``handshake_timeout`` bounds the retries of a handshake. ``fence_grace`` is how long D keeps
+    blocks after an ``UNCONFIRMED`` fence once the peer answers again (the peer's engine applies
+    what it already received within milliseconds once it runs). ``verify`` (D: ``off``,
+    ``sample``, ``full``) compares digests of what P sent and D received after each load; a
+    mismatch fails the load (``RequestStats.verify_failed``).
     """
 
     def __init__(
@@ -156,21 +198,38 @@ class ControlPlane:
         lease: float = 30.0,
         handshake_timeout: float = 10.0,
         workers: int = 4,
+        fence_grace: float = 1.0,
+        verify: Verify | str = Verify.OFF,
     ) -> None:
+        for name, value in (("timeout", timeout), ("lease", lease),
+                            ("handshake_timeout", handshake_timeout)):  # fmt: skip
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        if lease < 2 * timeout:
+            raise ValueError(
+                f"lease ({lease:g} s) must be at least twice the timeout ({timeout:g} s): P "
+                "must not free blocks that D may still be reading; raise lease"
+            )
         self.engine_id = engine_id or default_engine_id()
         self.layout = layout
         self.transport = transport
         self.timeout = timeout
         self.lease = lease
         self.handshake_timeout = handshake_timeout
+        self.fence_grace = fence_grace
+        self.verify = Verify(verify)
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._lock = threading.RLock()
         self._finished_cond = threading.Condition(self._lock)
         self._finished: dict[str, RequestOutcome] = {}
         self._leases: dict[str, _Lease] = {}
-        self._pending_push: dict[str, tuple[str, BlockIds, float]] = {}
+        self._pending_push: dict[str, tuple[str, PushRequest, float]] = {}
         self._pending: dict[str, _Pending] = {}
         self._aborted: dict[str, float] = {}  # request ids aborted on D, until when to remember
+        # P: how finished pushes ended (D may ask again), and requests D withdrew before P saw
+        # them (a late PushRequest or PullStart for them is refused); both until the time given.
+        self._push_results: dict[str, tuple[PushDone, float]] = {}
+        self._withdrawn: dict[str, float] = {}
         self._remotes: dict[str, _RemoteEngine] = {}  # by engine id (peers that handshook us)
         self._by_endpoint: dict[str, _RemoteEngine] = {}  # engines we handshook, by endpoint
         self._clients: dict[str, PeerClient] = {}
@@ -179,6 +238,8 @@ class ControlPlane:
         transport.register(layout.registration)
         self._metadata = transport.metadata()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request")
+        # Fences and settling may wait long on a frozen peer: they never take a request worker.
+        self._fencer = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence")
         self._endpoint = Endpoint(
             self.engine_id, self._handle, host=host, port=port, secret=self._secret,
             on_tick=self._tick,
@@ -205,6 +266,7 @@ class ControlPlane:
             lease = _Lease(params, time.monotonic() + self.lease)
             self._leases[request_id] = lease
             pushed = self._pending_push.pop(request_id, None)
+        log.debug("request %s: published (%s)", request_id, "push waiting" if pushed else mode)
         if pushed is not None:
             self._start_push(lease, pushed[0], pushed[1])
         return params
@@ -233,15 +295,32 @@ class ControlPlane:
     def abort(self, params: TransferParams, reason: str = "aborted by decode") -> None:
         """Give up a request, before or during its load; P is told so it frees the blocks at once.
 
-        A load in progress ends with a failed outcome; one not started yet never starts.
+        A load in progress ends with a failed outcome once it is fenced (no byte of it can land
+        any more); one not started yet never starts.
         """
+        rid = params.request_id
         with self._lock:
-            pending = self._pending.get(params.request_id)
+            pending = self._pending.get(rid)
+            self._aborted[rid] = time.monotonic() + self.lease
+            handle = None
             if pending is not None:
-                pending.aborted = True
-            self._aborted[params.request_id] = time.monotonic() + self.lease
-        self._executor.submit(self._send_abort, params, reason)
-        self._finish_pending(params.request_id, False, reason)
+                pending.aborted, pending.abort_reason = True, reason
+                handle = pending.handle
+        if pending is None:
+            self._executor.submit(self._send_abort, params, reason)
+        elif params.mode is Mode.PUSH:
+            self._settle_push_later(pending, reason)
+        else:
+            # The pull's worker sees the flag (or its wait fails on the release), fences its
+            # read, reports the outcome and tells P.
+            if handle is not None:
+                self.transport.release(handle)
+
+    @property
+    def held(self) -> list[str]:
+        """Request ids (D) whose failure waits for a fence: their blocks stay out of use."""
+        with self._lock:
+            return [r for r, p in self._pending.items() if p.held_since]
 
     # -- both sides -------------------------------------------------------------------------------
     def poll_finished(self) -> list[RequestOutcome]:
@@ -276,6 +355,7 @@ class ControlPlane:
             self._free(request_id, False, "the control plane was closed")
         self._endpoint.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._fencer.shutdown(wait=True, cancel_futures=True)
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -299,14 +379,19 @@ class ControlPlane:
             )
             return Ok() if known else _unknown(body.request_id)
         if isinstance(body, Abort):
-            self._pending_push.pop(body.request_id, None)
-            self._free(body.request_id, False, f"aborted by decode: {body.reason}")
+            self._on_abort(body)
             return Ok()
         if isinstance(body, PushRequest):
             return self._on_push_request(peer, body)
         if isinstance(body, PushDone):
-            self._on_push_done(body)
+            self._on_push_done(body, peer)
             return Ok()
+        if isinstance(body, PushQuery):
+            return self._on_push_query(body)
+        if isinstance(body, Ping):
+            return Ok()
+        if isinstance(body, DigestRequest):
+            return self._on_digest_request(peer, body)
         raise MessageError("unexpected", f"{type(body).__name__} is not a request")
 
     def _on_handshake(self, body: Handshake) -> Message:
@@ -342,56 +427,162 @@ class ControlPlane:
                 raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
             _require_subset(body.block_ids, lease.params.block_ids, body.request_id)
             lease.puller = peer
+            # D's read may take its transport's timeout, and its engine as long again to give
+            # the read back: the blocks must outlive both, whatever is left of the lease.
+            lease.expires_at = max(lease.expires_at, time.monotonic() + 2 * self.timeout)
         return Ok()
+
+    def _on_digest_request(self, peer: str, body: DigestRequest) -> Message:
+        with self._lock:
+            lease = self._leases.get(body.request_id)
+            remote = self._remotes.get(peer)
+            if lease is None or lease.puller != peer or remote is None:
+                return _unknown(body.request_id)
+            src_ids = lease.params.block_ids
+        try:
+            check = Verify(body.verify)
+            plan = plan_transfers(self.layout, remote.layout, src_ids, body.block_ids)
+        except (ValueError, KvbridgeError) as err:
+            raise MessageError("invalid", f"cannot digest {body.request_id!r}: {err}") from None
+        return Digest(digest(plan.src, plan.lengths, chosen(plan.count, check, body.request_id)))
+
+    def _on_abort(self, body: Abort) -> None:
+        rid = body.request_id
+        with self._lock:
+            self._pending_push.pop(rid, None)
+            lease = self._leases.get(rid)
+            if lease is None:
+                if rid not in self._push_results:
+                    self._withdrawn[rid] = time.monotonic() + self.lease
+                return
+            if lease.pushing:  # the push worker fences its write, then frees and says so
+                lease.aborted = True
+                handle = lease.handle
+            else:
+                handle = None
+        if handle is not None:
+            self.transport.release(handle)
+        elif not lease.pushing:
+            self._free(rid, False, f"aborted by decode: {body.reason}")
+
+    def _on_push_query(self, body: PushQuery) -> Message:
+        rid = body.request_id
+        with self._lock:
+            result = self._push_results.get(rid)
+            if result is not None:
+                return result[0]
+            lease = self._leases.get(rid)
+            if rid in self._pending_push or (lease is not None and lease.pushing):
+                return Ok()  # may still write
+        return _unknown(rid)
 
     def _on_push_request(self, peer: str, body: PushRequest) -> Message:
         with self._lock:
             remote = self._remotes.get(peer)
             if remote is None:
                 raise MessageError("no_handshake", "handshake before requesting a push")
+            if body.request_id in self._withdrawn or body.request_id in self._push_results:
+                raise MessageError(
+                    "withdrawn", f"request {body.request_id!r} was aborted or already pushed"
+                )
             self._checked_ids(remote.layout, body.block_ids, "destination")
             lease = self._leases.get(body.request_id)
             if lease is None:
                 if body.request_id in self._pending_push:
                     raise MessageError("duplicate", f"push of {body.request_id!r} requested twice")
                 # P has not finished prefilling yet: write once it publishes.
-                self._pending_push[body.request_id] = (
-                    peer,
-                    body.block_ids,
-                    time.monotonic() + self.lease,
-                )
+                self._pending_push[body.request_id] = (peer, body, time.monotonic() + self.lease)
+                log.debug("request %s: push requested before publish", body.request_id)
                 return Ok()
             if lease.puller is not None or lease.pushing:
                 raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
-        self._start_push(lease, peer, body.block_ids)
+        self._start_push(lease, peer, body)
         return Ok()
 
-    def _start_push(self, lease: _Lease, peer: str, block_ids: BlockIds) -> None:
+    def _start_push(self, lease: _Lease, peer: str, request: PushRequest) -> None:
         with self._lock:
             lease.pushing = True
-        self._executor.submit(self._run_push, lease, peer, block_ids)
+        self._executor.submit(self._run_push, lease, peer, request)
 
-    def _run_push(self, lease: _Lease, peer: str, block_ids: BlockIds) -> None:
-        rid = lease.params.request_id
+    def _run_push(self, lease: _Lease, peer: str, request: PushRequest) -> None:
+        rid, block_ids = lease.params.request_id, request.block_ids
         stats = RequestStats()
+        with self._lock:
+            remote = self._remotes[peer]
+        handle: TransferHandle | None = None
         try:
-            with self._lock:
-                remote = self._remotes[peer]
             plan = self._plan(self.layout, remote.layout, lease.params.block_ids, block_ids, stats)
-            self._move(TransferOp.WRITE, peer, plan, stats)
+            start = time.monotonic()
+            with self._lock:
+                if lease.aborted:
+                    raise KvbridgeError("aborted by decode before the write started")
+            local, remote_addrs, lengths = plan.local_remote(TransferOp.WRITE)
+            handle = self.transport.submit(TransferOp.WRITE, peer, local, remote_addrs, lengths)
+            log.debug("request %s: write of %d descriptors submitted", rid, len(lengths))
+            with self._lock:
+                lease.handle = handle
+                aborted = lease.aborted
+            if aborted:
+                self.transport.release(handle)
+            self.transport.wait(handle)
+            stats.transfer_s = time.monotonic() - start
+            check = Verify(request.verify)
+            value = None
+            if check is not Verify.OFF:
+                value = digest(plan.src, plan.lengths, chosen(plan.count, check, rid))
             done = PushDone(
                 rid, True, "", stats.nbytes, stats.descriptors, stats.descriptors_before_merge,
-                stats.plan_s, stats.transfer_s,
+                stats.plan_s, stats.transfer_s, digest=value,
             )  # fmt: skip
             ok, reason = True, "pushed to decode"
         except Exception as err:
-            done = PushDone(rid, False, f"prefill could not push: {err}")
             ok, reason = False, str(err)
-        try:
-            self._client(remote.endpoint).request(done, self.timeout)
-        except Exception as err:
-            log.warning("request %s: could not tell decode the push ended: %s", rid, err)
+            fence = Fence.DRAINED if handle is None else self._fence(handle, rid, stats)
+            done = PushDone(rid, False, f"prefill could not push: {err}",
+                            unconfirmed=fence is not Fence.DRAINED)  # fmt: skip
+        with self._lock:
+            self._push_results[rid] = (done, time.monotonic() + self.lease)
+        # Fenced: the engine reads P's blocks no more, so they may go back now.
         self._free(rid, ok, reason, stats)
+        self._fencer.submit(self._deliver, remote.endpoint, done)
+
+    def _deliver(self, endpoint: str, done: PushDone) -> None:
+        """Tell D how the push ended; a few tries, and D asks (``PushQuery``) if all fail."""
+        for attempt in range(3):
+            try:
+                start = time.monotonic()
+                self._client(endpoint).request(done, self.timeout)
+                log.debug("request %s: push end (ok=%s) delivered in %.3f s",
+                          done.request_id, done.ok, time.monotonic() - start)  # fmt: skip
+                return
+            except PeerRefusedError as err:  # D is gone: nobody to tell
+                log.info("request %s: decode is gone (%s)", done.request_id, err)
+                return
+            except Exception as err:
+                log.warning("request %s: could not tell decode the push ended (try %d): %s",
+                            done.request_id, attempt + 1, err)  # fmt: skip
+            if self._closed:
+                return
+
+    def _fence(self, handle: TransferHandle, rid: str, stats: RequestStats) -> Fence:
+        """Wait until no byte of a given-up transfer can still move; log while it takes long.
+
+        ``PENDING`` only when the plane is closing; ``UNCONFIRMED`` when the engine could not say
+        what the peer got (the caller settles that with the peer).
+        """
+        start = time.monotonic()
+        while True:
+            fence = self.transport.fence(handle, self.timeout)
+            if fence is not Fence.PENDING or self._closed:
+                break
+            log.warning(
+                "request %s: the %s engine still holds part of a given-up transfer after %.0f s; "
+                "its blocks stay out of use until it gives it back",
+                rid, self.transport.name, time.monotonic() - start,
+            )  # fmt: skip
+        stats.fence_s = time.monotonic() - start
+        stats.unconfirmed = fence is not Fence.DRAINED
+        return fence
 
     def _free(
         self, request_id: str, ok: bool, reason: str, stats: RequestStats | None = None
@@ -412,14 +603,21 @@ class ControlPlane:
             for rid, (_, _, deadline) in list(self._pending_push.items()):
                 if deadline < now:
                     del self._pending_push[rid]
-            late = [r for r, p in self._pending.items() if p.deadline < now]
-            for rid, until in list(self._aborted.items()):
+            # A pull's worker bounds its own steps and fences its read; a push past its
+            # deadline is settled with P.
+            late = [p for p in self._pending.values() if p.deadline < now
+                    and p.params.mode is Mode.PUSH and not p.settling]  # fmt: skip
+            for table in (self._aborted, self._withdrawn):
+                for rid, until in list(table.items()):
+                    if until < now:
+                        del table[rid]
+            for rid, (_, until) in list(self._push_results.items()):
                 if until < now:
-                    del self._aborted[rid]
+                    del self._push_results[rid]
         for rid in expired:
             self._free(rid, False, f"lease of {self.lease:g} s expired before decode released it")
-        for rid in late:
-            self._finish_pending(rid, False, f"no transfer within {self.timeout:g} s")
+        for pending in late:
+            self._settle_push_later(pending, f"no push within {self.timeout:g} s")
 
     # -- internals: D -----------------------------------------------------------------------------
     def _begin(self, params: TransferParams, block_ids: Mapping[int, Any]) -> _Pending:
@@ -439,21 +637,106 @@ class ControlPlane:
 
     def _run_pull(self, pending: _Pending) -> None:
         params, rid = pending.params, pending.params.request_id
+        handle: TransferHandle | None = None
         try:
             remote = self._remote_for(params, pending.stats)
             self._claim(params, pending)
-            if pending.aborted:
-                return
             plan = self._plan(remote.layout, self.layout, params.block_ids, pending.block_ids,
                               pending.stats)  # fmt: skip
-            self._move(TransferOp.READ, remote.engine_id, plan, pending.stats)
+            if pending.aborted:
+                raise KvbridgeError("aborted by decode")
+            start = time.monotonic()
+            local, remote_addrs, lengths = plan.local_remote(TransferOp.READ)
+            handle = self.transport.submit(
+                TransferOp.READ, remote.engine_id, local, remote_addrs, lengths
+            )
+            log.debug("request %s: read of %d descriptors submitted", rid, len(lengths))
+            with self._lock:
+                pending.handle = handle
+                aborted = pending.aborted
+            if aborted:
+                self.transport.release(handle)
+            self.transport.wait(handle)
+            pending.stats.transfer_s = time.monotonic() - start
+            if self.verify is not Verify.OFF:
+                self._check_pull(params, pending, plan)
         except Exception as err:
+            if handle is not None:
+                self._hold(pending)
+                fence = self._fence(handle, rid, pending.stats)
+                if fence is Fence.UNCONFIRMED:
+                    self._settle_with(params.endpoint, rid)
             reason = f"pull of {rid!r} from {params.endpoint} failed: {err}"
             self._finish_pending(rid, False, reason)
             self._executor.submit(self._send_release, params, False, str(err))
             return
         self._send_release(params, True, "")
         self._finish_pending(rid, True, "")
+
+    def _check_pull(self, params: TransferParams, pending: _Pending, plan: Any) -> None:
+        """Compare P's digest of what it holds with D's of what it read (P still holds it)."""
+        start = time.monotonic()
+        rid = params.request_id
+        ask = DigestRequest(rid, pending.block_ids, self.verify.value)
+        reply = self._client(params.endpoint).request(ask, self.timeout)
+        mine = digest(plan.dst, plan.lengths, chosen(plan.count, self.verify, rid))
+        pending.stats.verify_s = time.monotonic() - start
+        theirs = reply.value if isinstance(reply, Digest) else None
+        if theirs != mine:
+            pending.stats.verify_failed = True
+            raise IntegrityError(
+                f"integrity check ({self.verify.value}) failed: prefill's digest {theirs} of "
+                f"the bytes it holds differs from decode's {mine} of what it read"
+            )
+
+    def _check_push(self, params: TransferParams, pending: _Pending, body: PushDone) -> None:
+        """Compare P's digest of what it wrote with D's of what it holds now."""
+        start = time.monotonic()
+        rid = params.request_id
+        with self._lock:
+            remote = self._by_endpoint.get(params.endpoint)
+        try:
+            if remote is None:
+                raise KvbridgeError("no handshake with prefill to plan the check with")
+            plan = plan_transfers(remote.layout, self.layout, params.block_ids, pending.block_ids)
+            mine = digest(plan.dst, plan.lengths, chosen(plan.count, self.verify, rid))
+        except Exception as err:
+            self._finish_pending(rid, False, f"integrity check could not run: {err}")
+            return
+        pending.stats.verify_s = time.monotonic() - start
+        if body.digest != mine:
+            pending.stats.verify_failed = True
+            self._finish_pending(
+                rid, False,
+                f"integrity check ({self.verify.value}) failed: prefill's digest {body.digest} "
+                f"of what it wrote differs from decode's {mine} of what it holds",
+            )  # fmt: skip
+            return
+        self._finish_pending(rid, True, "")
+
+    def _hold(self, pending: _Pending) -> None:
+        with self._lock:
+            pending.held_since = pending.held_since or time.monotonic()
+
+    def _settle_with(self, endpoint: str, rid: str) -> None:
+        """After an ``UNCONFIRMED`` fence: wait until the peer answers (or is gone), then grace.
+
+        A peer that answers is running again, so its engine hands over whatever it still held
+        for us within the grace; a peer whose address refuses connections is gone.
+        """
+        start = time.monotonic()
+        while not self._closed:
+            try:
+                self._client(endpoint).request(Ping(), self.timeout)
+            except PeerRefusedError:
+                return
+            except Exception as err:
+                log.warning("request %s: blocks held until %s answers (%.0f s so far): %s",
+                            rid, endpoint, time.monotonic() - start, err)  # fmt: skip
+                time.sleep(min(1.0, self.timeout))
+                continue
+            time.sleep(self.fence_grace)
+            return
 
     def _claim(self, params: TransferParams, pending: _Pending) -> None:
         """Tell P which blocks D reads; wait (bounded) for P to publish a request it has not yet.
@@ -480,27 +763,109 @@ class ControlPlane:
         params, rid = pending.params, pending.params.request_id
         try:
             self._remote_for(params, pending.stats)
-            self._client(params.endpoint).request(PushRequest(rid, pending.block_ids), self.timeout)
-        except Exception as err:
+            if pending.aborted:  # never asked: P only needs to free its blocks
+                self._send_abort(params, pending.abort_reason)
+                raise KvbridgeError("aborted by decode")
+            ask = PushRequest(rid, pending.block_ids, self.verify.value)
+            self._client(params.endpoint).request(ask, self.timeout)
+            log.debug("request %s: push requested", rid)
+        except PeerTimeoutError:
+            pass  # the request may have reached P: settled with P at the deadline
+        except Exception as err:  # refused, P gone, or never sent: P writes nothing for it
+            pending.asked.set()
             self._finish_pending(rid, False, f"push request of {rid!r} failed: {err}")
-        # The outcome arrives as PushDone (or the deadline passes in _tick).
+        finally:
+            pending.asked.set()
+        # The outcome arrives as PushDone, or is settled with P past the deadline.
 
-    def _on_push_done(self, body: PushDone) -> None:
+    def _on_push_done(self, body: PushDone, sender: str | None = None) -> None:
+        """P's word on a push (``sender`` None: P's reply to ``PushQuery``)."""
         with self._lock:
             pending = self._pending.get(body.request_id)
             if pending is None:
-                return
+                return  # late or duplicate: that request has its outcome already
+            if sender is not None and sender != pending.params.engine_id:
+                raise MessageError(
+                    "not_yours",
+                    f"engine {sender!r} cannot end the push of {body.request_id!r}: it comes "
+                    f"from {pending.params.engine_id!r}",
+                )
             stats = pending.stats
             stats.nbytes, stats.descriptors = body.nbytes, body.descriptors
             stats.descriptors_before_merge = body.descriptors_before_merge
             stats.plan_s, stats.transfer_s = body.plan_s, body.transfer_s
-        self._finish_pending(body.request_id, body.ok, body.reason)
+            stats.unconfirmed = body.unconfirmed
+            if body.unconfirmed:  # bytes P's engine gave up on may still be applied here
+                pending.settling = True
+                pending.held_since = pending.held_since or time.monotonic()
+        if body.unconfirmed:
+            self._fencer.submit(self._finish_after_grace, body.request_id, body.reason)
+        elif body.ok and self.verify is not Verify.OFF:
+            self._executor.submit(self._check_push, pending.params, pending, body)
+        else:
+            self._finish_pending(body.request_id, body.ok, body.reason)
+
+    def _finish_after_grace(self, rid: str, reason: str) -> None:
+        time.sleep(self.fence_grace)
+        self._finish_pending(rid, False, reason)
+
+    def _settle_push_later(self, pending: _Pending, reason: str) -> None:
+        with self._lock:
+            if pending.settling or self._pending.get(pending.params.request_id) is not pending:
+                return
+            pending.settling = True
+            pending.held_since = time.monotonic()
+        self._fencer.submit(self._settle_push, pending, reason)
+
+    def _settle_push(self, pending: _Pending, reason: str) -> None:
+        """D gave up waiting for a push (deadline or abort): end it only once P's write is fenced.
+
+        Aborts the push, then asks P how it ended until P answers: ``PushDone`` (P fenced its
+        write, or it had succeeded), or "unknown" (P holds no write of it). A P whose address
+        refuses connections is gone and writes nothing more. A P that does not answer is alive
+        but frozen or cut off: the request stays held, and asked again.
+        """
+        params, rid = pending.params, pending.params.request_id
+        pending.asked.wait(self.handshake_timeout + 2 * self.timeout)
+        client = self._client(params.endpoint)
+        aborted = False
+        start = time.monotonic()
+        while not self._closed and rid in self._pending:
+            try:
+                if not aborted:
+                    client.request(Abort(rid, reason[:4000]), self.timeout)
+                    aborted = True
+                reply = client.request(PushQuery(rid), self.timeout)
+            except PeerRefusedError as err:
+                self._finish_pending(rid, False, f"{reason}; prefill is gone ({err})")
+                return
+            except ControlError as err:
+                if err.code == "unknown_request":
+                    self._finish_pending(rid, False, f"{reason}; prefill holds no write of it")
+                    return
+                log.warning("request %s: prefill refused to say how its push ended: %s", rid, err)
+                time.sleep(min(1.0, self.timeout))
+            except Exception as err:
+                log.warning("request %s: blocks held until prefill confirms its push ended "
+                            "(%.0f s so far): %s", rid, time.monotonic() - start, err)  # fmt: skip
+                time.sleep(min(1.0, self.timeout))
+                continue
+            if isinstance(reply, PushDone):
+                self._on_push_done(reply)
+                return
+            time.sleep(0.05)  # P is still fencing its write
 
     def _finish_pending(self, request_id: str, ok: bool, reason: str) -> None:
         with self._lock:
             pending = self._pending.pop(request_id, None)
             if pending is None:
                 return
+            if pending.held_since:
+                held = time.monotonic() - pending.held_since
+                pending.stats.fence_s = max(pending.stats.fence_s, held)
+            if pending.aborted:
+                why = pending.abort_reason
+                reason = why if not reason or why in reason else f"{why} ({reason})"
             outcome = RequestOutcome(request_id, ok and not pending.aborted, reason, pending.stats)
             self._record(outcome)
         log.debug("request %s: %s %s %s", request_id, "done" if ok else "failed", reason,
@@ -597,13 +962,6 @@ class ControlPlane:
         stats.nbytes, stats.descriptors = plan.nbytes, plan.count
         stats.descriptors_before_merge = plan.unmerged
         return plan
-
-    def _move(self, op: TransferOp, peer: str, plan: Any, stats: RequestStats) -> None:
-        start = time.monotonic()
-        local, remote, lengths = plan.local_remote(op)
-        handle = self.transport.submit(op, peer, local, remote, lengths)
-        self.transport.wait(handle, self.timeout)
-        stats.transfer_s = time.monotonic() - start
 
     def _record(self, outcome: RequestOutcome) -> None:
         self._finished[outcome.request_id] = outcome

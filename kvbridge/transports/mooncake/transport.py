@@ -51,6 +51,7 @@ from kvbridge.core.transport import (
     DONE,
     PENDING,
     AddrArray,
+    Fence,
     MemoryKind,
     MemoryRange,
     TransferHandle,
@@ -128,6 +129,12 @@ class MooncakeHandle(TransferHandle):
     _done: int = field(default=0, repr=False)
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: chunks handed to the engine that it has not given back yet
+    _in_engine: int = field(default=0, repr=False)
+    #: set once the batch finished and the engine holds none of its chunks
+    _drained: threading.Event = field(default_factory=threading.Event, repr=False)
+    #: a chunk came back only because the engine's own timeout ran out (peer frozen)
+    _unconfirmed: bool = field(default=False, repr=False)
 
     # Handles are compared and hashed by identity (usable as dict keys and in sets).
     __eq__ = object.__eq__
@@ -144,11 +151,36 @@ class MooncakeHandle(TransferHandle):
             f"peer {self.peer!r} ({self.session})"
         )
 
+    @property
+    def fence(self) -> Fence:
+        if not self._drained.is_set():
+            return Fence.PENDING
+        return Fence.UNCONFIRMED if self._unconfirmed else Fence.DRAINED
+
+    def _enter_engine(self) -> bool:
+        """Count a chunk as handed to the engine, unless the batch already finished."""
+        with self._lock:
+            if self._finished.is_set():
+                return False
+            self._in_engine += 1
+            return True
+
+    def _leave_engine(self, *, unconfirmed: bool = False) -> None:
+        with self._lock:
+            self._in_engine -= 1
+            self._unconfirmed |= unconfirmed
+            self._check_drained()
+
+    def _check_drained(self) -> None:  # lock held
+        if self._finished.is_set() and self._in_engine == 0:
+            self._drained.set()
+
     def _chunk_done(self) -> None:
         with self._lock:
             self._done += 1
             if self._done >= self.chunks:
                 self._finished.set()
+                self._check_drained()
 
     def _fail(self, reason: str, *, timed_out: bool = False) -> None:
         with self._lock:
@@ -157,6 +189,7 @@ class MooncakeHandle(TransferHandle):
             self.error = reason
             self.timed_out = timed_out
             self._finished.set()
+            self._check_drained()
 
     def _expire(self, timeout: float) -> bool:
         """Fail the batch when its deadline has passed; True when it did."""
@@ -180,6 +213,8 @@ class _Chunk:
     remote: list[int]
     lengths: list[int]
     attempts: int = 0
+    #: when the engine took it (monotonic)
+    started: float = 0.0
 
 
 class _Lane:
@@ -192,13 +227,20 @@ class _Lane:
     """
 
     def __init__(
-        self, engine: Any, session: str, max_in_flight: int, timeout: float, retries: int
+        self,
+        engine: Any,
+        session: str,
+        max_in_flight: int,
+        timeout: float,
+        retries: int,
+        engine_timeout: float,
     ) -> None:
         self.engine = engine  # the lane keeps the engine alive until its last wait returns
         self.session = session
         self.max_in_flight = max_in_flight
         self.timeout = timeout
         self.retries = retries
+        self.engine_timeout = engine_timeout
         self._cond = threading.Condition()
         self._queue: deque[_Chunk] = deque()
         self._stopping = False
@@ -269,15 +311,23 @@ class _Lane:
                     count -= len(chunk.local)
                     if rc == 0:
                         chunk.handle._chunk_done()
+                        chunk.handle._leave_engine()
                     else:
+                        # Given up by the engine's own timeout: the peer (frozen) may still
+                        # apply bytes it already received once it resumes.
+                        waited = time.monotonic() - chunk.started
+                        chunk.handle._leave_engine(unconfirmed=waited >= 0.9 * self.engine_timeout)
                         self._retry_or_fail(chunk, f"get_batch_transfer_status returned {rc}")
         except BaseException as err:  # never die silently: fail everything this lane holds
             with self._cond:
                 self._stopping = True
-                left = list(self._queue) + [chunk for _, chunk in inflight]
+                left = list(self._queue)
                 self._queue.clear()
             for chunk in left:
                 self._fail(chunk, f"the transfer lane stopped on {err!r}")
+            for _, chunk in inflight:  # never waited for: nobody can say what the peer got
+                self._fail(chunk, f"the transfer lane stopped on {err!r}")
+                chunk.handle._leave_engine(unconfirmed=True)
             raise
 
     def _start(self, chunk: _Chunk) -> int | None:
@@ -293,8 +343,14 @@ class _Lane:
             submit, name = self.engine.batch_transfer_async_write, "batch_transfer_async_write"
         else:
             submit, name = self.engine.batch_transfer_async_read, "batch_transfer_async_read"
+        # Checked and counted atomically with release(): a released batch never reaches the
+        # engine, and its fence waits for every chunk that did.
+        if not chunk.handle._enter_engine():
+            return None
+        chunk.started = time.monotonic()
         batch_id = int(submit(self.session, chunk.local, chunk.remote, chunk.lengths))
-        if batch_id <= 0:  # -1: peer unreachable; 0: submission refused
+        if batch_id <= 0:  # -1: peer unreachable; 0: submission refused: nothing was sent
+            chunk.handle._leave_engine()
             self._retry_or_fail(chunk, f"{name} returned {batch_id}")
             return None
         return batch_id
@@ -374,6 +430,7 @@ class MooncakeTransport(Transport):
         self._max_batch = int(max_batch)
         self._max_in_flight = int(max_in_flight)
         engine_timeout = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.timeout))
+        self._engine_timeout = float(engine_timeout)
         with environment_overrides({"MC_TRANSFER_TIMEOUT": str(engine_timeout)}):
             engine = engine_cls()
             rc = engine.initialize(hostname, metadata_server, protocol, device_name)
@@ -512,7 +569,10 @@ class MooncakeTransport(Transport):
     def _lane(self, session: str) -> _Lane:
         lane = self._lanes.get(session)
         if lane is None:
-            lane = _Lane(self._engine, session, self._max_in_flight, self.timeout, self._retries)
+            lane = _Lane(
+                self._engine, session, self._max_in_flight, self.timeout, self._retries,
+                self._engine_timeout,
+            )  # fmt: skip
             self._lanes[session] = lane
         return lane
 
@@ -562,6 +622,7 @@ class MooncakeTransport(Transport):
         handle.chunks = len(chunks)
         if not chunks:
             handle._finished.set()  # nothing to move
+            handle._drained.set()
         else:
             lane.put(chunks)
         return handle
@@ -597,6 +658,21 @@ class MooncakeTransport(Transport):
         """Abandon a batch: its queued chunks are dropped; chunks in the engine run out."""
         h = self._own(handle)
         h._fail(f"mooncake {h.describe()} was released before it finished")
+
+    def fence(self, handle: TransferHandle, timeout: float) -> Fence:
+        """Release the batch, then wait until the engine gave back every chunk it took.
+
+        Mooncake has no cancel: a chunk in the engine comes back when the peer confirmed it, the
+        peer failed, or ``MC_TRANSFER_TIMEOUT`` (this transport's ``timeout``) ran out; in the
+        last case the answer is ``UNCONFIRMED``.
+        """
+        h = self._own(handle)
+        self.release(h)
+        h._drained.wait(max(0.0, timeout))
+        return h.fence
+
+    def fence_state(self, handle: TransferHandle) -> Fence:
+        return self._own(handle).fence
 
     def _own(self, handle: TransferHandle) -> MooncakeHandle:
         if not isinstance(handle, MooncakeHandle):

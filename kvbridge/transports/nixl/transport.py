@@ -57,6 +57,7 @@ from kvbridge.core.transport import (
     DONE,
     PENDING,
     AddrArray,
+    Fence,
     MemoryKind,
     MemoryRange,
     TransferHandle,
@@ -177,6 +178,7 @@ class NixlHandle(TransferHandle):
     agent: str = ""
     _xfer: Any = field(default=None, repr=False)
     _status: TransferStatus | None = field(default=None, repr=False)
+    _fence: Fence = field(default=Fence.PENDING, repr=False)
 
     # Handles are compared and hashed by identity (usable in sets).
     __eq__ = object.__eq__
@@ -476,7 +478,9 @@ class NixlTransport(Transport):
         """Drop a peer name (lock held): fail its batches, unload its agent when unused."""
         entry = self._peers.pop(peer)
         for handle in [h for h in self._live if h.peer == peer]:
-            self._finish(handle, _failed(f"nixl {handle.describe()} failed: {reason}"))
+            self._finish(
+                handle, _failed(f"nixl {handle.describe()} failed: {reason}"), cancelled=True
+            )
         if all(p.agent != entry.agent for p in self._peers.values()):
             with suppress(*self._errors):
                 self._agent.remove_remote_agent(entry.agent)
@@ -505,7 +509,7 @@ class NixlTransport(Transport):
         if not keep.all():  # zero-length descriptors move nothing
             local, remote, lengths = local[keep], remote[keep], lengths[keep]
         if not len(lengths):
-            handle._status = DONE
+            handle._status, handle._fence = DONE, Fence.DRAINED
             return handle
         with self._lock:
             self._check_open()
@@ -540,7 +544,7 @@ class NixlTransport(Transport):
                 )
             if state == "DONE":  # small transfers may finish inside the call
                 self._release_engine(xfer)
-                handle._status = DONE
+                handle._status, handle._fence = DONE, Fence.DRAINED
             else:
                 handle._xfer = xfer
                 self._live.add(handle)
@@ -569,7 +573,10 @@ class NixlTransport(Transport):
             try:
                 state = self._agent.check_xfer_state(h._xfer)
             except self._errors as err:
-                return self._finish(h, _failed(f"nixl {h.describe()} failed: {_describe(err)}"))
+                gone = type(err).__name__ == "nixlRemoteDisconnectError"
+                return self._finish(
+                    h, _failed(f"nixl {h.describe()} failed: {_describe(err)}"), cancelled=not gone
+                )
             if state == "DONE":
                 return self._finish(h, DONE)
             if state == "ERR":
@@ -582,6 +589,7 @@ class NixlTransport(Transport):
                         f"nixl {h.describe()} did not finish within {self.timeout:g} s (peer "
                         "frozen, overloaded or unreachable); the batch was cancelled"
                     ),
+                    cancelled=True,
                 )
         return PENDING
 
@@ -590,24 +598,44 @@ class NixlTransport(Transport):
         h = self._own(handle)
         with self._lock:
             if h._status is None:
-                self._finish(h, _failed(f"nixl {h.describe()} was released before it finished"))
+                self._finish(
+                    h, _failed(f"nixl {h.describe()} was released before it finished"),
+                    cancelled=True,
+                )  # fmt: skip
 
-    def _finish(self, h: NixlHandle, status: TransferStatus) -> TransferStatus:
+    def fence_state(self, handle: TransferHandle) -> Fence:
+        """``DRAINED`` once NIXL finished the batch (done, or failed by the peer's end);
+        ``UNCONFIRMED`` when it was cancelled in progress (bytes the peer's UCX worker already
+        received may still be applied); ``PENDING`` while NIXL holds it (release refused)."""
+        h = self._own(handle)
+        with self._lock:
+            return h._fence if h._status is not None else Fence.PENDING
+
+    def _finish(
+        self, h: NixlHandle, status: TransferStatus, *, cancelled: bool = False
+    ) -> TransferStatus:
         """Record a final status and free NIXL's handle (lock held)."""
         h._status = status
         self._live.discard(h)
         xfer, h._xfer = h._xfer, None
+        released = True
         if xfer is not None and self._agent is not None:
-            self._release_engine(xfer)
+            released = self._release_engine(xfer)
+        if not released:
+            h._fence = Fence.PENDING
+        else:
+            h._fence = Fence.UNCONFIRMED if cancelled and xfer is not None else Fence.DRAINED
         return status
 
-    def _release_engine(self, xfer: Any) -> None:
+    def _release_engine(self, xfer: Any) -> bool:
         # NIXL cancels an in-progress transfer on release; if it refuses, the handle is kept and
         # released again on close (before the memory it points into is deregistered).
         try:
             self._agent.release_xfer_handle(xfer)
         except self._errors:
             self._stuck.append(xfer)
+            return False
+        return True
 
     def _own(self, handle: TransferHandle) -> NixlHandle:
         if not isinstance(handle, NixlHandle):

@@ -52,5 +52,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(
                 f"{s['model']:>12} {s['transport']:>8} {mode:>4}: {counts}, TTFT median "
                 f"{median(ttft):.0f} first {ttft[0]:.0f} max {max(ttft):.0f}; "
-                f"control {s['control']['loaded']}, P killed {s.get('p_killed', {}).get('match')}"
+                f"control {s['control']['loaded']}, P frozen {s.get('p_frozen', {}).get('match')}, "
+                f"P killed {s.get('p_killed', {}).get('match')}"
             )

@@ -13,6 +13,8 @@ One engine pair covers, in order:
   full blocks in its prefix cache and loads only the rest (checked: D reports cached tokens);
 - a control: D given prompt 0's params with a prompt of other tokens (same last token) must
   answer as for prompt 0, which proves the KV came from P;
+- P frozen (SIGSTOP of its process group) after a prefill, longer than the timeout, then
+  resumed: D holds the push until P answers, then loads or recomputes; either way exactly;
 - P killed (its whole process group) after a prefill: D's load fails, vLLM recomputes
   (``kv_load_failure_policy="recompute"``) and D still answers as the single instance.
 
@@ -32,6 +34,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -39,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: How long the prefill engine is stopped in the "P frozen" check: beyond the 10 s timeout.
+FREEZE_S = 12.0
 CORE_P = "0"
 CORE_D = "1"
 MODES = ("pull", "push")
@@ -132,6 +137,7 @@ def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase) -
         enforce_eager=True,
         seed=0,
         max_num_seqs=8,
+        disable_log_stats=False,  # the prefix-cache counters (D's local hit)
         **kw,
     )
 
@@ -152,6 +158,7 @@ def _generate(
     )  # fmt: skip
     engine = llm.llm_engine
     rid = f"req-{time.monotonic_ns()}"
+    hits_before = _local_prefix_hits(llm)
     t0 = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
     first: float | None = None
@@ -181,8 +188,18 @@ def _generate(
         "kv_transfer_params": final.kv_transfer_params,
         "ttft_s": (first - t0) if first is not None else None,
         "total_s": done - t0,
+        # With P's transfer parameters vLLM reports P's prefix-cache hit here (P adds
+        # remote_prefill_cached_tokens), not this engine's: hence the local hit below.
         "num_cached_tokens": getattr(final, "num_cached_tokens", None),
+        "local_hit_tokens": _local_prefix_hits(llm) - hits_before,
     }
+
+
+def _local_prefix_hits(llm: Any) -> int:
+    """Tokens this engine served from its own prefix cache so far (vLLM's Prometheus counter)."""
+    return int(
+        sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")  # type: ignore[attr-defined]
+    )
 
 
 def engine_main(
@@ -253,6 +270,18 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("reset"))
+
+    def freeze(self, seconds: float) -> None:
+        """SIGSTOP the engine and its children now; SIGCONT them ``seconds`` later."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+        def thaw() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)
+
+        timer = threading.Timer(seconds, thaw)
+        timer.daemon = True
+        timer.start()
 
     def kill(self) -> None:
         """SIGKILL the engine and its children: a prefill instance dying without notice."""
@@ -395,6 +424,7 @@ def run_pair(
     port_p: int = 5790,
     port_d: int = 5890,
     kill_check: bool = True,
+    freeze_check: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every check above on one P/D pair; returns a summary with ``ok`` and per-check results."""
@@ -424,13 +454,15 @@ def run_pair(
                     "d_ttft_s": dec["ttft_s"],
                     "d_total_s": dec["total_s"],
                     "p_total_s": pre["total_s"],
-                    "d_cached": dec["num_cached_tokens"],
+                    "d_cached": dec["local_hit_tokens"],
+                    "p_cached": dec["num_cached_tokens"],
                 }
                 results.append(r)
                 log(
                     f"  {mode} prompt {i} ({len(ids)} tokens{', again' if repeat else ''}): "
                     f"match={r['match']} P {pre['total_s'] * 1e3:.0f} ms, D ttft "
-                    f"{dec['ttft_s'] * 1e3:.0f} ms, D cached {dec['num_cached_tokens']}"
+                    f"{dec['ttft_s'] * 1e3:.0f} ms, D cached {dec['local_hit_tokens']} (P "
+                    f"{dec['num_cached_tokens']})"
                 )
                 if r["match"] != "exact":
                     log(f"    D:   {dec['token_ids']}\n    ref: {ref.tokens[i]}")
@@ -443,6 +475,26 @@ def run_pair(
             "d_tokens": dec["token_ids"],
         }
         log(f"  control: D used P's KV = {summary['control']['loaded']}")
+        if freeze_check:
+            # P stopped (SIGSTOP) right after its prefill for longer than the timeout, then
+            # resumed: D's push request and its questions go unanswered meanwhile; D holds the
+            # request until P answers, then loads it or recomputes it: either way exactly.
+            p.reset_prefix_cache()
+            d.reset_prefix_cache()
+            i = 1
+            pre = p.generate(ref.prompts[i], 1, {"do_remote_decode": True, "kvbridge_mode": "push"})
+            p.freeze(FREEZE_S)
+            t0 = time.perf_counter()
+            dec = d.generate(ref.prompts[i], max_tokens, dict(pre["kv_transfer_params"]))
+            summary["p_frozen"] = {
+                "match": ref.compare(i, dec["token_ids"]),
+                "d_total_s": time.perf_counter() - t0,
+                "d_tokens": dec["token_ids"],
+            }
+            log(
+                f"  P frozen {FREEZE_S:g} s: match={summary['p_frozen']['match']} "
+                f"in {summary['p_frozen']['d_total_s']:.1f} s"
+            )
         if kill_check:
             # A prompt D has not cached, so nothing but P's KV or a recompute can serve it.
             i = 2
@@ -472,6 +524,7 @@ def run_pair(
         and summary.get("control", {}).get("loaded", False)
         and summary["prefix_hit"]
         and (not kill_check or summary.get("p_killed", {}).get("match") in ("exact", "near-tie"))
+        and (not freeze_check or summary.get("p_frozen", {}).get("match") in ("exact", "near-tie"))
     )
     return summary
 
@@ -503,9 +556,12 @@ def show(ref: Reference, summary: dict[str, Any]) -> None:
     console = Console(width=120)
     console.print(table)
     ctl, killed = summary.get("control", {}), summary.get("p_killed", {})
+    frozen = summary.get("p_frozen", {})
     console.print(
         f"control (prompt 0's KV under other tokens) answered as prompt 0: {ctl.get('loaded')}; "
-        f"P killed before D loaded: D recomputed, {killed.get('match')}"
+        f"P frozen {FREEZE_S:g} s before D loaded: {frozen.get('match')} in "
+        f"{frozen.get('d_total_s', 0):.1f} s; P killed before D loaded: D recomputed, "
+        f"{killed.get('match')}"
     )
 
 
@@ -523,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port-p", type=int, default=5790)
     ap.add_argument("--port-d", type=int, default=5890)
     ap.add_argument("--no-kill", action="store_true", help="skip the P-killed check")
+    ap.add_argument("--no-freeze", action="store_true", help="skip the P-frozen check")
     ap.add_argument("--show", action="store_true", help="print the tokens side by side")
     ap.add_argument("--json", help="write the summary here")
     a = ap.parse_args(argv)
@@ -534,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_pair(
             ref, a.transport, modes=tuple(a.modes.split(",")), max_tokens=a.max_tokens,
             port_p=a.port_p, port_d=a.port_d, kill_check=not a.no_kill,
+            freeze_check=not a.no_freeze,
         )  # fmt: skip
     if a.show:
         show(ref, summary)

@@ -65,4 +65,5 @@ def test_pd_matches_single_instance(
     assert summary["prefix_hit"], "D reported no prefix-cache hit for the repeated prompt"
     assert ref.case.prefix_cache or not any(r["d_cached"] for r in summary["results"])
     assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
+    assert summary["p_frozen"]["match"] != "mismatch", "after P was frozen D's answer was wrong"
     assert summary["p_killed"]["match"] != "mismatch", "after P died D did not recompute correctly"

@@ -1,0 +1,152 @@
+"""Fences through real engine processes: after a failed, timed-out or aborted transfer, no byte
+lands in D's blocks once D has reported the outcome, and a lost ``PushDone`` costs only time."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.control.conftest import FAULT_TIMINGS
+from tests.control.engine import BlockAllocator
+from tests.control.test_faults import BIG, assert_nothing_left, freed, publish, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+TIMEOUT = 3.0  # short, so a frozen peer outlasts it quickly
+
+
+def assert_quiet_after(d, seconds=2.0):
+    """D's memory does not change any more: nothing of a given-up transfer lands late."""
+    before = d.call(cmd="digest")
+    time.sleep(seconds)
+    assert d.call(cmd="digest") == before, "bytes landed in D after it reported the outcome"
+
+
+def test_push_into_frozen_decode_reports_only_after_the_fence(engines, transport):
+    p = engines("prefill", transport, seed=81, lease=60, timeout=TIMEOUT, **BIG)
+    d = engines("decode", transport, seed=82, timeout=TIMEOUT, **BIG)
+    rid = "frozen-d"
+    d_ids = BlockAllocator(d.layout, 2).request(4000)
+    ids = BlockAllocator(p.layout, 1).request(4000)
+    params = {  # D asks for the push before P has published: P writes as soon as it does
+        "request_id": rid, "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
+        "block_ids": ids, "num_tokens": 4000, "transport": transport, "mode": "push",
+    }  # fmt: skip
+    d.call(cmd="push", params=params, block_ids=d_ids)
+    wait_for(lambda: rid in p.call(cmd="pending_push"), 10)
+    d.kill(signal.SIGSTOP)
+    start = time.monotonic()
+    p.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=4000, mode="push")
+    time.sleep(2 * TIMEOUT + 1)  # P's write gives up on the frozen D meanwhile
+    d.kill(signal.SIGCONT)
+    outcome = d.call(cmd="wait", request_id=rid, timeout=60)
+    FAULT_TIMINGS.append(
+        (f"{transport}: D frozen {2 * TIMEOUT + 1:g} s during a push -> D's outcome",
+         time.monotonic() - start)
+    )  # fmt: skip
+    assert_quiet_after(d)
+    if outcome["ok"]:  # everything landed before P gave up: then it must be all of it
+        assert d.call(cmd="verify", sources=[{"config": p.config, "pairs": [[ids, d_ids]]}])["ok"]
+    else:
+        assert "prefill could not push" in outcome["reason"] or "no push" in outcome["reason"]
+    assert freed(p, rid) is not None or wait_for(lambda: freed(p, rid), 10)
+    assert d.call(cmd="held") == []
+    assert_nothing_left(p)
+
+
+def test_lost_push_done_costs_time_not_the_request(engines, transport):
+    """P's word that the push ended never arrives: D asks P past its deadline and loads."""
+    p = engines("prefill", transport, seed=91, lease=60, timeout=TIMEOUT,
+                faults=["drop_push_done"])  # fmt: skip
+    d = engines("decode", transport, seed=92, timeout=TIMEOUT, handshake_timeout=TIMEOUT)
+    params = publish(p, "mute", mode="push")
+    d_ids = BlockAllocator(d.layout, 2).request(200)
+    start = time.monotonic()
+    d.call(cmd="push", params=params, block_ids=d_ids)
+    outcome = d.call(cmd="wait", request_id="mute", timeout=60)
+    FAULT_TIMINGS.append((f"{transport}: PushDone lost -> D asks P", time.monotonic() - start))
+    assert outcome["ok"], outcome["reason"]
+    source = {"config": p.config, "pairs": [[params["block_ids"], d_ids]]}
+    assert d.call(cmd="verify", sources=[source])["ok"]
+    assert_nothing_left(p)
+
+
+def test_abort_during_push_reports_after_prefill_fenced(engines, transport):
+    p = engines("prefill", transport, seed=101, lease=60, timeout=TIMEOUT, **BIG)
+    d = engines("decode", transport, seed=102, timeout=TIMEOUT, **BIG)
+    params = publish(p, "cut-push", tokens=4000, mode="push")
+    d.call(cmd="push", params=params, block_ids=BlockAllocator(d.layout, 2).request(4000))
+    d.call(cmd="abort", params=params, reason="client went away")
+    outcome = d.call(cmd="wait", request_id="cut-push", timeout=60)
+    assert not outcome["ok"] and "client went away" in outcome["reason"]
+    assert_quiet_after(d)
+    wait_for(lambda: freed(p, "cut-push"), 10)
+    assert_nothing_left(p)
+
+
+def test_abort_during_pull_reports_after_the_read_is_fenced(engines, transport):
+    p = engines("prefill", transport, seed=111, lease=60, timeout=TIMEOUT, **BIG)
+    d = engines("decode", transport, seed=112, timeout=TIMEOUT, **BIG)
+    params = publish(p, "cut-pull", tokens=4000)
+    d.call(cmd="pull", params=params, block_ids=BlockAllocator(d.layout, 2).request(4000))
+    time.sleep(0.02)
+    d.call(cmd="abort", params=params, reason="client went away")
+    outcome = d.call(cmd="wait", request_id="cut-pull", timeout=60)
+    assert not outcome["ok"] and "client went away" in outcome["reason"]
+    assert_quiet_after(d)
+    wait_for(lambda: freed(p, "cut-pull"), 10)
+    assert_nothing_left(p)
+
+
+def test_prefill_frozen_during_pull_holds_decode_blocks_until_fenced(engines, transport):
+    p = engines("prefill", transport, seed=121, lease=60, timeout=TIMEOUT, **BIG)
+    d = engines("decode", transport, seed=122, timeout=TIMEOUT, **BIG)
+    warm = publish(p, "warm", seed=3)  # connections up, so the freeze hits a read, not a handshake
+    d_alloc = BlockAllocator(d.layout, 4)
+    d.call(cmd="pull", params=warm, block_ids=d_alloc.request(200))
+    assert d.call(cmd="wait", request_id="warm")["ok"]
+    params = publish(p, "frozen-p", tokens=4000, seed=5)
+    d.call(cmd="pull", params=params, block_ids=d_alloc.request(4000))
+    time.sleep(0.05)
+    p.kill(signal.SIGSTOP)
+    start = time.monotonic()
+    time.sleep(TIMEOUT + 3)
+    held = d.call(cmd="held")  # the read failed on the frozen P: its blocks wait for a fence
+    p.kill(signal.SIGCONT)
+    outcome = d.call(cmd="wait", request_id="frozen-p", timeout=60)
+    FAULT_TIMINGS.append(
+        (f"{transport}: P frozen {TIMEOUT + 3:g} s during a pull -> D's outcome",
+         time.monotonic() - start)
+    )  # fmt: skip
+    assert_quiet_after(d)
+    assert outcome.get("request_id") == "frozen-p", outcome
+    # Unless the read had finished (UCX's cma copies even from a stopped process), D held the
+    # blocks while P was frozen and reported only after P answered again.
+    assert held == [] if outcome["ok"] else held == ["frozen-p"]
+    wait_for(lambda: freed(p, "frozen-p"), 20)
+    assert_nothing_left(p)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("verify", ["sample", "full"])
+def test_verify_passes_clean_loads_and_fails_corrupted_ones(engines, transport, mode, verify):
+    p = engines("prefill", transport, seed=131, timeout=TIMEOUT)
+    d = engines("decode", transport, seed=132, timeout=TIMEOUT, verify=verify)
+    bad = engines("decode", transport, seed=133, timeout=TIMEOUT, verify=verify,
+                  faults=["corrupt_received"])  # fmt: skip
+    for name, engine, expect_ok in (("clean", d, True), ("corrupt", bad, False)):
+        params = publish(p, name, mode=mode, tokens=300)
+        ids = BlockAllocator(engine.layout, 2).request(300)
+        engine.call(cmd=mode, params=params, block_ids=ids)
+        outcome = engine.call(cmd="wait", request_id=name)
+        assert outcome["ok"] is expect_ok, outcome
+        if expect_ok:
+            assert outcome["stats"]["verify_s"] > 0
+            source = {"config": p.config, "pairs": [[params["block_ids"], ids]]}
+            assert engine.call(cmd="verify", sources=[source])["ok"]
+        else:
+            assert "integrity check" in outcome["reason"] and outcome["stats"]["verify_failed"]
+    wait_for(lambda: not p.call(cmd="leased"), 10)
+    assert_nothing_left(p)
