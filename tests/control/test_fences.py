@@ -73,30 +73,19 @@ def test_lost_push_done_costs_time_not_the_request(engines, transport):
     assert_nothing_left(p)
 
 
-def test_abort_during_push_reports_after_prefill_fenced(engines, transport):
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_abort_during_transfer_reports_after_the_fence(engines, transport, mode):
+    """D aborts while the load runs: the outcome comes once no byte of it can still land."""
     p = engines("prefill", transport, seed=101, lease=60, timeout=TIMEOUT, **BIG)
     d = engines("decode", transport, seed=102, timeout=TIMEOUT, **BIG)
-    params = publish(p, "cut-push", tokens=4000, mode="push")
-    d.call(cmd="push", params=params, block_ids=BlockAllocator(d.layout, 2).request(4000))
-    d.call(cmd="abort", params=params, reason="client went away")
-    outcome = d.call(cmd="wait", request_id="cut-push", timeout=60)
-    assert not outcome["ok"] and "client went away" in outcome["reason"]
-    assert_quiet_after(d)
-    wait_for(lambda: freed(p, "cut-push"), 10)
-    assert_nothing_left(p)
-
-
-def test_abort_during_pull_reports_after_the_read_is_fenced(engines, transport):
-    p = engines("prefill", transport, seed=111, lease=60, timeout=TIMEOUT, **BIG)
-    d = engines("decode", transport, seed=112, timeout=TIMEOUT, **BIG)
-    params = publish(p, "cut-pull", tokens=4000)
-    d.call(cmd="pull", params=params, block_ids=BlockAllocator(d.layout, 2).request(4000))
+    params = publish(p, "cut", tokens=4000, mode=mode)
+    d.call(cmd=mode, params=params, block_ids=BlockAllocator(d.layout, 2).request(4000))
     time.sleep(0.02)
     d.call(cmd="abort", params=params, reason="client went away")
-    outcome = d.call(cmd="wait", request_id="cut-pull", timeout=60)
+    outcome = d.call(cmd="wait", request_id="cut", timeout=60)
     assert not outcome["ok"] and "client went away" in outcome["reason"]
     assert_quiet_after(d)
-    wait_for(lambda: freed(p, "cut-pull"), 10)
+    wait_for(lambda: freed(p, "cut"), 10)
     assert_nothing_left(p)
 
 

@@ -509,23 +509,9 @@ class ControlPlane:
         stats = RequestStats()
         with self._lock:
             remote = self._remotes[peer]
-        handle: TransferHandle | None = None
         try:
             plan = self._plan(self.layout, remote.layout, lease.params.block_ids, block_ids, stats)
-            start = time.monotonic()
-            with self._lock:
-                if lease.aborted:
-                    raise KvbridgeError("aborted by decode before the write started")
-            local, remote_addrs, lengths = plan.local_remote(TransferOp.WRITE)
-            handle = self.transport.submit(TransferOp.WRITE, peer, local, remote_addrs, lengths)
-            log.debug("request %s: write of %d descriptors submitted", rid, len(lengths))
-            with self._lock:
-                lease.handle = handle
-                aborted = lease.aborted
-            if aborted:
-                self.transport.release(handle)
-            self.transport.wait(handle)
-            stats.transfer_s = time.monotonic() - start
+            self._move(TransferOp.WRITE, peer, plan, lease, stats, rid)
             check = Verify(request.verify)
             value = None
             if check is not Verify.OFF:
@@ -537,6 +523,7 @@ class ControlPlane:
             ok, reason = True, "pushed to decode"
         except Exception as err:
             ok, reason = False, str(err)
+            handle = lease.handle
             fence = Fence.DRAINED if handle is None else self._fence(handle, rid, stats)
             done = PushDone(rid, False, f"prefill could not push: {err}",
                             unconfirmed=fence is not Fence.DRAINED)  # fmt: skip
@@ -637,30 +624,16 @@ class ControlPlane:
 
     def _run_pull(self, pending: _Pending) -> None:
         params, rid = pending.params, pending.params.request_id
-        handle: TransferHandle | None = None
         try:
             remote = self._remote_for(params, pending.stats)
             self._claim(params, pending)
             plan = self._plan(remote.layout, self.layout, params.block_ids, pending.block_ids,
                               pending.stats)  # fmt: skip
-            if pending.aborted:
-                raise KvbridgeError("aborted by decode")
-            start = time.monotonic()
-            local, remote_addrs, lengths = plan.local_remote(TransferOp.READ)
-            handle = self.transport.submit(
-                TransferOp.READ, remote.engine_id, local, remote_addrs, lengths
-            )
-            log.debug("request %s: read of %d descriptors submitted", rid, len(lengths))
-            with self._lock:
-                pending.handle = handle
-                aborted = pending.aborted
-            if aborted:
-                self.transport.release(handle)
-            self.transport.wait(handle)
-            pending.stats.transfer_s = time.monotonic() - start
+            self._move(TransferOp.READ, remote.engine_id, plan, pending, pending.stats, rid)
             if self.verify is not Verify.OFF:
                 self._check_pull(params, pending, plan)
         except Exception as err:
+            handle = pending.handle
             if handle is not None:
                 self._hold(pending)
                 fence = self._fence(handle, rid, pending.stats)
@@ -678,8 +651,10 @@ class ControlPlane:
         start = time.monotonic()
         rid = params.request_id
         ask = DigestRequest(rid, pending.block_ids, self.verify.value)
-        reply = self._client(params.endpoint).request(ask, self.timeout)
+        # P digests its side while D digests its own.
+        asked = self._fencer.submit(self._client(params.endpoint).request, ask, self.timeout)
         mine = digest(plan.dst, plan.lengths, chosen(plan.count, self.verify, rid))
+        reply = asked.result()
         pending.stats.verify_s = time.monotonic() - start
         theirs = reply.value if isinstance(reply, Digest) else None
         if theirs != mine:
@@ -962,6 +937,30 @@ class ControlPlane:
         stats.nbytes, stats.descriptors = plan.nbytes, plan.count
         stats.descriptors_before_merge = plan.unmerged
         return plan
+
+    def _move(
+        self, op: TransferOp, peer: str, plan: Any, holder: _Lease | _Pending,
+        stats: RequestStats, rid: str,
+    ) -> None:  # fmt: skip
+        """Submit the plan and wait for it; ``holder.handle`` keeps the batch for abort and fence.
+
+        An abort that came before the submission stops it; one that comes during it finds the
+        handle and releases it (the wait then fails, and the caller fences).
+        """
+        start = time.monotonic()
+        with self._lock:
+            if holder.aborted:
+                raise KvbridgeError("aborted by decode before the transfer started")
+        local, remote, lengths = plan.local_remote(op)
+        handle = self.transport.submit(op, peer, local, remote, lengths)
+        log.debug("request %s: %s of %d descriptors submitted", rid, op.value, len(lengths))
+        with self._lock:
+            holder.handle = handle
+            aborted = holder.aborted
+        if aborted:
+            self.transport.release(handle)
+        self.transport.wait(handle)
+        stats.transfer_s = time.monotonic() - start
 
     def _record(self, outcome: RequestOutcome) -> None:
         self._finished[outcome.request_id] = outcome
