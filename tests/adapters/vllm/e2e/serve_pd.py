@@ -169,7 +169,9 @@ def _cached(usage: Any) -> int | None:
 
 
 def query(client: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    """One completion through the proxy: token ids, the proxy's headers, D's cached tokens."""
+    """One completion through the proxy: token ids, the proxy's headers, the cached tokens D's
+    usage reports (P's prefix-cache hit: vLLM reports it because P's parameters carry
+    ``do_remote_prefill``)."""
     t0 = time.perf_counter()
     raw = client.completions.with_raw_response.create(
         model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, temperature=0,
@@ -185,7 +187,7 @@ def query(client: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
         "prefill_ms": float(prefill_ms) if prefill_ms is not None else None,
         "remote_engine_id": hdr.get("x-kvbridge-remote-engine-id"),
         "remote_num_tokens": hdr.get("x-kvbridge-remote-num-tokens"),
-        "d_cached": _cached(resp.usage),
+        "p_cached": _cached(resp.usage),
         "total_s": total,
     }
 
@@ -313,7 +315,7 @@ def run_serve(
                             "ref_tokens": ref.tokens[i], **out})  # fmt: skip
             log(
                 f"prompt {i} ({len(ids)} tokens): match={match} P {out['prefill_ms']} ms, "
-                f"total {out['total_s'] * 1e3:.0f} ms, D cached {out['d_cached']}, "
+                f"total {out['total_s'] * 1e3:.0f} ms, P cached {out['p_cached']}, "
                 f"P num_tokens {out['remote_num_tokens']}"
             )
             if not match:
