@@ -80,7 +80,6 @@ def test_abort_during_transfer_reports_after_the_fence(engines, transport, mode)
     d = engines("decode", transport, seed=102, timeout=TIMEOUT, **BIG)
     params = publish(p, "cut", tokens=4000, mode=mode)
     d.call(cmd=mode, params=params, block_ids=BlockAllocator(d.layout, 2).request(4000))
-    time.sleep(0.02)
     d.call(cmd="abort", params=params, reason="client went away")
     outcome = d.call(cmd="wait", request_id="cut", timeout=60)
     assert not outcome["ok"] and "client went away" in outcome["reason"]
@@ -98,7 +97,8 @@ def test_prefill_frozen_during_pull_holds_decode_blocks_until_fenced(engines, tr
     assert d.call(cmd="wait", request_id="warm")["ok"]
     params = publish(p, "frozen-p", tokens=4000, seed=5)
     d.call(cmd="pull", params=params, block_ids=d_alloc.request(4000))
-    time.sleep(0.05)
+    # D has claimed the blocks (P knows the puller): freeze P now, with the read under way.
+    wait_for(lambda: p.call(cmd="pullers").get("frozen-p"), 10, step=0.001)
     p.kill(signal.SIGSTOP)
     start = time.monotonic()
     time.sleep(TIMEOUT + 3)
