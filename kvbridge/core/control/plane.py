@@ -455,15 +455,14 @@ class ControlPlane:
                 if rid not in self._push_results:
                     self._withdrawn[rid] = time.monotonic() + self.lease
                 return
-            if lease.pushing:  # the push worker fences its write, then frees and says so
+            pushing = lease.pushing
+            if pushing:  # the push worker fences its write, then frees and says so
                 lease.aborted = True
-                handle = lease.handle
-            else:
-                handle = None
-        if handle is not None:
-            self.transport.release(handle)
-        elif not lease.pushing:
+            handle = lease.handle
+        if not pushing:
             self._free(rid, False, f"aborted by decode: {body.reason}")
+        elif handle is not None:
+            self.transport.release(handle)
 
     def _on_push_query(self, body: PushQuery) -> Message:
         rid = body.request_id
@@ -747,7 +746,6 @@ class ControlPlane:
         except PeerTimeoutError:
             pass  # the request may have reached P: settled with P at the deadline
         except Exception as err:  # refused, P gone, or never sent: P writes nothing for it
-            pending.asked.set()
             self._finish_pending(rid, False, f"push request of {rid!r} failed: {err}")
         finally:
             pending.asked.set()
@@ -772,7 +770,7 @@ class ControlPlane:
             stats.unconfirmed = body.unconfirmed
             if body.unconfirmed:  # bytes P's engine gave up on may still be applied here
                 pending.settling = True
-                pending.held_since = pending.held_since or time.monotonic()
+                self._hold(pending)
         if body.unconfirmed:
             self._fencer.submit(self._finish_after_grace, body.request_id, body.reason)
         elif body.ok and self.verify is not Verify.OFF:
@@ -789,7 +787,7 @@ class ControlPlane:
             if pending.settling or self._pending.get(pending.params.request_id) is not pending:
                 return
             pending.settling = True
-            pending.held_since = time.monotonic()
+            self._hold(pending)
         self._fencer.submit(self._settle_push, pending, reason)
 
     def _settle_push(self, pending: _Pending, reason: str) -> None:

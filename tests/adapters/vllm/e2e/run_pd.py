@@ -415,6 +415,26 @@ def _decode(p: Engine, d: Engine, ids: list[int], mode: str, max_tokens: int) ->
     return pre, d.generate(ids, max_tokens, dict(params))
 
 
+def _after_fault(
+    p: Engine, d: Engine, ref: Reference, i: int, mode: str | None,
+    fault: Callable[[], None], max_tokens: int,
+) -> dict[str, Any]:  # fmt: skip
+    """P prefills prompt ``i`` (in ``mode``, or P's configured one), ``fault`` hits P, then D
+    decodes with P's parameters: D's tokens against the single instance's, and D's time."""
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if mode is not None:
+        params["kvbridge_mode"] = mode
+    pre = p.generate(ref.prompts[i], 1, params)
+    fault()
+    t0 = time.perf_counter()
+    dec = d.generate(ref.prompts[i], max_tokens, dict(pre["kv_transfer_params"]))
+    return {
+        "match": ref.compare(i, dec["token_ids"]),
+        "d_total_s": time.perf_counter() - t0,
+        "d_tokens": dec["token_ids"],
+    }
+
+
 def run_pair(
     ref: Reference,
     transport: str,
@@ -481,32 +501,16 @@ def run_pair(
             # request until P answers, then loads it or recomputes it: either way exactly.
             p.reset_prefix_cache()
             d.reset_prefix_cache()
-            i = 1
-            pre = p.generate(ref.prompts[i], 1, {"do_remote_decode": True, "kvbridge_mode": "push"})
-            p.freeze(FREEZE_S)
-            t0 = time.perf_counter()
-            dec = d.generate(ref.prompts[i], max_tokens, dict(pre["kv_transfer_params"]))
-            summary["p_frozen"] = {
-                "match": ref.compare(i, dec["token_ids"]),
-                "d_total_s": time.perf_counter() - t0,
-                "d_tokens": dec["token_ids"],
-            }
+            summary["p_frozen"] = _after_fault(
+                p, d, ref, 1, "push", lambda: p.freeze(FREEZE_S), max_tokens
+            )
             log(
                 f"  P frozen {FREEZE_S:g} s: match={summary['p_frozen']['match']} "
                 f"in {summary['p_frozen']['d_total_s']:.1f} s"
             )
         if kill_check:
             # A prompt D has not cached, so nothing but P's KV or a recompute can serve it.
-            i = 2
-            pre = p.generate(ref.prompts[i], 1, {"do_remote_decode": True})
-            p.kill()
-            t0 = time.perf_counter()
-            dec = d.generate(ref.prompts[i], max_tokens, dict(pre["kv_transfer_params"]))
-            summary["p_killed"] = {
-                "match": ref.compare(i, dec["token_ids"]),
-                "d_total_s": time.perf_counter() - t0,
-                "d_tokens": dec["token_ids"],
-            }
+            summary["p_killed"] = _after_fault(p, d, ref, 2, None, p.kill, max_tokens)
             log(
                 f"  P killed: D recomputed, match={summary['p_killed']['match']} "
                 f"in {summary['p_killed']['d_total_s']:.1f} s"
