@@ -68,9 +68,14 @@ test: lint typecheck unit test-e2e
 
 # The soak: 1000 requests per transport through real engine processes, random faults (freeze or
 # kill P or D, lost PushDone, duplicate and forged messages), two CPU hogs beside it; checks every
-# loaded byte, outcomes within their bound, no leaks (a short one runs in `make test`).
+# loaded byte, outcomes within their bound, no leaks. Then 1000 requests per transport through two
+# real vLLM engines (freeze or kill P or D, late writes after a failed transfer): every answer
+# equals the single instance's, no KV block held at the end. Short versions run in `make test`.
+SOAK_REQUESTS ?= 1000
 soak: $(STAMP)
-	$(BIN)/python -m tests.soak.soak --requests 1000 --hogs 2
+	$(BIN)/python -m tests.soak.soak --requests $(SOAK_REQUESTS) --hogs 2
+	$(BIN)/python -m tests.soak.vllm_soak --transport mooncake --requests $(SOAK_REQUESTS) --hogs 2
+	$(BIN)/python -m tests.soak.vllm_soak --transport nixl --requests $(SOAK_REQUESTS) --hogs 2
 
 # Regenerate the shipped example layouts (a test checks they match the generator).
 examples: $(STAMP)

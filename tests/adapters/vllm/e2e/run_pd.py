@@ -149,34 +149,49 @@ def _generate(
 
     ``top2``: also each step's two best tokens and their log-probability gap.
     """
+    return _generate_many(llm, [(ids, max_tokens, params, top2)])[0]
+
+
+def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
+    """Requests ``(ids, max_tokens, params, top2)`` in the engine at once; their results in order
+    (``total_s`` and ``ttft_s`` counted from when all were added)."""
     from vllm import SamplingParams
 
-    extra = {"kv_transfer_params": params} if params is not None else None
-    sp = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
-        logprobs=2 if top2 else None,
-    )  # fmt: skip
     engine = llm.llm_engine
-    rid = f"req-{time.monotonic_ns()}"
     hits_before = _local_prefix_hits(llm)
     t0 = time.perf_counter()
-    engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
-    first: float | None = None
-    final = None
+    rids = []
+    for k, (ids, max_tokens, params, top2) in enumerate(requests):
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
+            logprobs=2 if top2 else None,
+        )  # fmt: skip
+        rids.append(f"req-{time.monotonic_ns()}-{k}")
+        engine.add_request(rids[-1], {"prompt_token_ids": list(ids)}, sp)
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    final: dict[str, Any] = {}
     deadline = t0 + 120
     while engine.has_unfinished_requests():
         if time.perf_counter() > deadline:
-            raise TimeoutError(f"request {rid} did not finish in 120 s")
+            raise TimeoutError(f"requests {sorted(set(rids) - set(final))} not finished in 120 s")
         for out in engine.step():
-            if out.request_id != rid:
+            if out.request_id not in rids:
                 continue
-            if first is None and out.outputs and out.outputs[0].token_ids:
-                first = time.perf_counter()
+            if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                first[out.request_id] = time.perf_counter()
             if out.finished:
-                final = out
-    if final is None:
-        raise RuntimeError(f"request {rid} returned no final output")
-    done = time.perf_counter()
+                final[out.request_id] = out
+                done[out.request_id] = time.perf_counter()
+    missing = [r for r in rids if r not in final]
+    if missing:
+        raise RuntimeError(f"requests {missing} returned no final output")
+    hits = _local_prefix_hits(llm) - hits_before
+    return [_result(final[r], first.get(r), done[r], t0, hits) for r in rids]
+
+
+def _result(final: Any, first: float | None, done: float, t0: float, hits: int) -> dict[str, Any]:
     steps = []
     for lp in final.outputs[0].logprobs or ():
         best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]
@@ -191,8 +206,16 @@ def _generate(
         # With P's transfer parameters vLLM reports P's prefix-cache hit here (P adds
         # remote_prefill_cached_tokens), not this engine's: hence the local hit below.
         "num_cached_tokens": getattr(final, "num_cached_tokens", None),
-        "local_hit_tokens": _local_prefix_hits(llm) - hits_before,
+        # the engine's, over every request of the call
+        "local_hit_tokens": hits,
     }
+
+
+def _kv_usage(llm: Any) -> float:
+    """The share of KV blocks requests hold (vLLM's gauge; blocks only cached count as free)."""
+    return float(
+        sum(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc")  # type: ignore[attr-defined]
+    )
 
 
 def _local_prefix_hits(llm: Any) -> int:
@@ -203,11 +226,19 @@ def _local_prefix_hits(llm: Any) -> int:
 
 
 def engine_main(
-    conn: Any, model: str, kv_transfer: dict | None, cores: str, case: ModelCase
-) -> None:
-    """A child process holding one engine; serves requests and ``"reset"`` over ``conn``."""
+    conn: Any, model: str, kv_transfer: dict | None, cores: str, case: ModelCase,
+    faults: str | None = None,
+) -> None:  # fmt: skip
+    """A child process holding one engine; serves requests, ``"reset"``, ``"usage"`` and
+    ``("batch", [...])`` over ``conn``. ``faults``: a directory for ``faults.install``."""
     os.setpgrp()  # so that killing "P" kills its engine-core process too
     _engine_env(cores)
+    if faults is not None and kv_transfer is not None:  # the connector with faults.install
+        os.environ["KVBRIDGE_TEST_FAULTS"] = faults
+        kv_transfer = {
+            **kv_transfer, "kv_connector": "FaultyKVBridgeConnector",
+            "kv_connector_module_path": "tests.adapters.vllm.e2e.faulty_connector",
+        }  # fmt: skip
     extra = (kv_transfer or {}).get("kv_connector_extra_config") or {}
     if "_side_channel_port" in extra:  # vLLM's NIXL connector takes its port from the env
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(extra.pop("_side_channel_port"))
@@ -225,6 +256,10 @@ def engine_main(
         try:
             if msg == "reset":
                 conn.send(("ok", bool(llm.reset_prefix_cache())))
+            elif msg == "usage":
+                conn.send(("ok", _kv_usage(llm)))
+            elif msg[0] == "batch":
+                conn.send(("ok", _generate_many(llm, msg[1])))
             else:
                 conn.send(("ok", _generate(llm, *msg)))
         except BaseException:
@@ -237,13 +272,15 @@ def engine_main(
 class Engine:
     """Handle of an engine child process (the leader of its own process group)."""
 
-    def __init__(self, name: str, model: str, kv: dict | None, cores: str, case: ModelCase) -> None:
+    def __init__(
+        self, name: str, model: str, kv: dict | None, cores: str, case: ModelCase,
+        faults: Path | None = None,
+    ) -> None:  # fmt: skip
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=engine_main, args=(child, model, kv, cores, case), name=name, daemon=False
-        )
+        args = (child, model, kv, cores, case, None if faults is None else str(faults))
+        self.proc = ctx.Process(target=engine_main, args=args, name=name, daemon=False)
         self.proc.start()
 
     def wait_ready(self, timeout: float = 240) -> float:
@@ -268,8 +305,15 @@ class Engine:
     ) -> dict[str, Any]:
         return dict(self._call((ids, max_tokens, params, top2)))
 
+    def generate_many(self, requests: list[tuple]) -> list[dict[str, Any]]:
+        """``(ids, max_tokens, params, top2)`` requests in the engine together."""
+        return list(self._call(("batch", requests)))
+
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("reset"))
+
+    def kv_usage(self) -> float:
+        return float(self._call("usage"))
 
     def freeze(self, seconds: float) -> None:
         """SIGSTOP the engine and its children now; SIGCONT them ``seconds`` later."""
@@ -302,7 +346,10 @@ class Engine:
             self.kill()
 
 
-def kv_config(role: str, transport: str, port: int, mode: str = "pull") -> dict[str, Any]:
+def kv_config(
+    role: str, transport: str, port: int, mode: str = "pull", timeout: float = 10.0,
+    lease: float = 60.0, verify: str = "off",
+) -> dict[str, Any]:  # fmt: skip
     """The ``kv_transfer_config`` of one side (what users put on ``vllm serve``).
 
     ``transport="vllm-nixl"`` configures vLLM's own NIXL connector instead, for comparison.
@@ -319,8 +366,9 @@ def kv_config(role: str, transport: str, port: int, mode: str = "pull") -> dict[
         "mode": mode,
         "host": "127.0.0.1",
         "port": port,
-        "timeout": 10.0,
-        "lease": 60.0,
+        "timeout": timeout,
+        "lease": lease,
+        "verify": verify,
     }
     if transport == "mooncake":
         extra["transport_options"] = {"protocol": "tcp"}
