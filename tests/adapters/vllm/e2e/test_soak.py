@@ -28,7 +28,9 @@ pytestmark = [
 def test_short_vllm_soak(
     reference: Callable[[str], Reference], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    row = run(reference("llama"), "mooncake", requests=28, hogs=1, seed=5, log=lambda s: None)
+    row = run(
+        reference("llama"), "mooncake", requests=28, hogs=1, seed=5, port=6400, log=lambda s: None
+    )
     with capsys.disabled():
         print(f"\nvLLM soak mooncake: {row}")
     assert set(row["faults"]) == set(FAULTS)  # every kind of fault was injected
