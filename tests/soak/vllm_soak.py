@@ -188,12 +188,15 @@ class VllmSoak:
 def run(
     ref: Reference, transport: str, requests: int, hogs: int, seed: int, port: int = 6100,
     log: Callable[[str], None] = print, kinds: tuple[str, ...] = FAULTS, unfenced: bool = False,
+    minutes: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The soak on one transport; returns its row (see ``problems`` for what must hold).
 
     ``kinds``: the faults to cycle through; ``unfenced``: late writes skip the fence (the check
-    must then find wrong answers).
+    must then find wrong answers); ``minutes``: start no wave after that long (the row then says
+    how many requests ran: ``stopped_early``).
     """
+    stop_at = None if minutes is None else time.monotonic() + 60 * minutes
     hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-soak-") as tmp:
@@ -203,6 +206,8 @@ def run(
             cycle: list[str] = []
             cycles = 0
             while soak.tally.requests < requests:
+                if stop_at is not None and time.monotonic() > stop_at:
+                    break
                 if not cycle:  # every fault once per cycle, the kills every KILL_EVERY cycles
                     kill = cycles % KILL_EVERY == 0
                     cycle = [f for f in kinds if kill or not f.startswith("kill")]
@@ -231,6 +236,11 @@ def run(
         "over_bound": t.over_bound, "kv_usage_end": usage,
         "p50_s": times[len(times) // 2], "p99_s": times[min(len(times) - 1, int(len(times) * 0.99))],
         "max_s": times[-1], "wall_s": time.perf_counter() - start,
+        "stopped_early": t.requests < requests,
+        "max_transfer_s": max((o["transfer_s"] for o in d_out), default=0.0),
+        "max_handshake_s": max((o["handshake_s"] for o in d_out), default=0.0),
+        # Loads whose transfer or handshake took over a second: stalls, or a frozen peer.
+        "slow": [o for o in seen if max(o["transfer_s"], o["handshake_s"]) > 1.0],
     }  # fmt: skip
 
 
@@ -246,6 +256,8 @@ def problems(row: dict[str, Any]) -> list[str]:
         out.append(f"{row['late_armed']} late writes armed, {row['late_landed']} landed")
     if any(u > 0 for u in row["kv_usage_end"].values()):
         out.append(f"KV blocks still held at the end: {row['kv_usage_end']}")
+    if row["stopped_early"]:
+        out.append(f"stopped after {row['requests']} requests (time budget)")
     if row["exact"] + row["lost_with_d"] != row["requests"]:
         out.append("requests unaccounted for")
     return out
@@ -263,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--unfenced", action="store_true", help="late writes skip the fence (must go wrong)"
     )
+    ap.add_argument("--minutes", type=float, help="start no wave after this long")
     ap.add_argument("--json", help="write the row here")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-soak-model-") as tmp:
         ref = build_reference(CASES["llama"], Path(tmp))
         row = run(ref, a.transport, a.requests, a.hogs, a.seed, kinds=tuple(a.faults.split(",")),
-                  unfenced=a.unfenced)  # fmt: skip
+                  unfenced=a.unfenced, minutes=a.minutes)  # fmt: skip
     print(json.dumps(row, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(row, indent=1))

@@ -219,6 +219,7 @@ def install(directory: Path, role: str) -> None:
             _append(directory / f"outcomes-{os.getpid()}.jsonl", {
                 "role": role, "request_id": outcome.request_id, "ok": outcome.ok,
                 "reason": outcome.reason, "fence_s": outcome.stats.fence_s,
+                "transfer_s": outcome.stats.transfer_s, "handshake_s": outcome.stats.handshake_s,
                 "verify_failed": outcome.stats.verify_failed, "at": time.time(),
             })  # fmt: skip
 
