@@ -14,21 +14,15 @@ with ``KVBRIDGE_E2E=1``; skipped with that reason otherwise. Each run's summary 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import MODES, Reference, run_pair
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        os.environ.get("KVBRIDGE_E2E") != "1",
-        reason="end-to-end vLLM runs take minutes: set KVBRIDGE_E2E=1 (make test-e2e does)",
-    ),
-]
+pytestmark = E2E
 
 RESULTS = Path(__file__).resolve().parents[4] / ".e2e-results"
 TRANSPORTS = ("mooncake", "nixl")

@@ -5,21 +5,15 @@ Marked ``e2e`` (run by ``make test`` with ``KVBRIDGE_E2E=1``): two servers start
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import Reference
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        os.environ.get("KVBRIDGE_E2E") != "1",
-        reason="end-to-end vLLM runs take minutes: set KVBRIDGE_E2E=1 (make test-e2e does)",
-    ),
-]
+pytestmark = E2E
 
 
 @pytest.mark.timeout(600)

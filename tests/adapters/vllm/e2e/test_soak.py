@@ -7,21 +7,15 @@ late write landed without changing one, and no KV block is left held at the end.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 
+from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import Reference
 from tests.soak.vllm_soak import FAULTS, problems, run
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        os.environ.get("KVBRIDGE_E2E") != "1",
-        reason="end-to-end vLLM runs take minutes: set KVBRIDGE_E2E=1 (make test-e2e does)",
-    ),
-]
+pytestmark = E2E
 
 
 @pytest.mark.timeout(1200)
