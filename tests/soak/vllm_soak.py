@@ -80,15 +80,15 @@ class VllmSoak:
         self.log = log
         self.port = port
         self.unfenced = unfenced
-        self.restarts = 0
+        self.starts = 0  # engines started, for their ports
         self.tally = Tally()
         self.p = self._start("kv_producer")
         self.d = self._start("kv_consumer")
 
     def _start(self, role: str) -> Engine:
         # A fresh side-channel port per start: a killed engine's ports may linger.
-        self.restarts += 1
-        port = self.port + 2 * self.restarts + (role == "kv_consumer")
+        self.starts += 1
+        port = self.port + 2 * self.starts + (role == "kv_consumer")
         kv = kv_config(role, self.transport, port, timeout=TIMEOUT, lease=LEASE, verify="full")
         name = "prefill" if role == "kv_producer" else "decode"
         core = CORE_P if role == "kv_producer" else CORE_D

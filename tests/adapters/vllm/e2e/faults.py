@@ -41,6 +41,8 @@ from kvbridge.core.transport import (
     TransferStatus,
 )
 
+#: The environment variable naming the fault directory in the engine's processes.
+ENV = "KVBRIDGE_TEST_FAULTS"
 ARM = "arm.json"
 GARBAGE = 0x7F
 

@@ -14,14 +14,12 @@ from typing import Any
 from kvbridge.adapters.vllm.connector import KVBridgeConnector
 from tests.adapters.vllm.e2e import faults
 
-ENV = "KVBRIDGE_TEST_FAULTS"
-
 
 class FaultyKVBridgeConnector(KVBridgeConnector):
     """The real connector; its transport and outcomes pass through ``faults``."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        directory = os.environ.get(ENV)
+        directory = os.environ.get(faults.ENV)
         if directory:
             faults.install(Path(directory), str(vllm_config.kv_transfer_config.kv_role))
         super().__init__(vllm_config, role, kv_cache_config)

@@ -211,18 +211,19 @@ def _result(final: Any, first: float | None, done: float, t0: float, hits: int) 
     }
 
 
+def _metric(llm: Any, name: str) -> float:
+    """One of the engine's Prometheus metrics, summed over its labels."""
+    return float(sum(m.value for m in llm.get_metrics() if m.name == name))  # type: ignore[attr-defined]
+
+
 def _kv_usage(llm: Any) -> float:
     """The share of KV blocks requests hold (vLLM's gauge; blocks only cached count as free)."""
-    return float(
-        sum(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc")  # type: ignore[attr-defined]
-    )
+    return _metric(llm, "vllm:kv_cache_usage_perc")
 
 
 def _local_prefix_hits(llm: Any) -> int:
     """Tokens this engine served from its own prefix cache so far (vLLM's Prometheus counter)."""
-    return int(
-        sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")  # type: ignore[attr-defined]
-    )
+    return int(_metric(llm, "vllm:prefix_cache_hits"))
 
 
 def engine_main(
@@ -234,7 +235,9 @@ def engine_main(
     os.setpgrp()  # so that killing "P" kills its engine-core process too
     _engine_env(cores)
     if faults is not None and kv_transfer is not None:  # the connector with faults.install
-        os.environ["KVBRIDGE_TEST_FAULTS"] = faults
+        from tests.adapters.vllm.e2e.faults import ENV
+
+        os.environ[ENV] = faults
         kv_transfer = {
             **kv_transfer, "kv_connector": "FaultyKVBridgeConnector",
             "kv_connector_module_path": "tests.adapters.vllm.e2e.faulty_connector",
