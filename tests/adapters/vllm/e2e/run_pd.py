@@ -226,6 +226,22 @@ def _local_prefix_hits(llm: Any) -> int:
     return int(_metric(llm, "vllm:prefix_cache_hits"))
 
 
+def _die_with_driver() -> None:
+    """Kill this engine's whole process group once the driver that started it is gone.
+
+    The engine leads its own process group (for the kill fault), so a driver killed by hand or by
+    a test timeout would otherwise leave the engine and its engine-core process running.
+    """
+    driver = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == driver:
+            time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-driver", daemon=True).start()
+
+
 def engine_main(
     conn: Any, model: str, kv_transfer: dict | None, cores: str, case: ModelCase,
     faults: str | None = None,
@@ -233,6 +249,7 @@ def engine_main(
     """A child process holding one engine; serves requests, ``"reset"``, ``"usage"`` and
     ``("batch", [...])`` over ``conn``. ``faults``: a directory for ``faults.install``."""
     os.setpgrp()  # so that killing "P" kills its engine-core process too
+    _die_with_driver()
     _engine_env(cores)
     if faults is not None and kv_transfer is not None:  # the connector with faults.install
         from tests.adapters.vllm.e2e.faults import ENV
