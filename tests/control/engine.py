@@ -270,17 +270,19 @@ class EngineProcess:
     proc: subprocess.Popen[str]
     info: dict[str, Any]
     config: dict[str, Any]
+    log_path: Path | None = None
 
     @classmethod
     def start(cls, tmp_path: Path, role: str, **config: Any) -> EngineProcess:
         config.setdefault("num_blocks", 512)
         config.setdefault("seed", abs(hash(role)) % 10_000)
-        log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115 - closed with the process
+        log_path = tmp_path / f"{role}.log"
+        log = open(log_path, "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.control.engine", json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
         )  # fmt: skip
-        engine = cls(proc, {}, config)
+        engine = cls(proc, {}, config, log_path)
         engine.info = engine._read(60)
         return engine
 

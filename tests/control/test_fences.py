@@ -114,6 +114,11 @@ def test_prefill_frozen_during_pull_holds_decode_blocks_until_fenced(engines, tr
     # Unless the read had finished (UCX's cma copies even from a stopped process), D held the
     # blocks while P was frozen and reported only after P answered again.
     assert held == [] if outcome["ok"] else held == ["frozen-p"]
+    if not outcome["ok"]:  # the slow load says where its time went: the read and its fence
+        stats = outcome["stats"]
+        assert stats["total_s"] >= TIMEOUT + 2, stats
+        assert stats["transfer_s"] + stats["fence_s"] >= TIMEOUT, stats
+        assert "request frozen-p: load took" in d.log_path.read_text(), "no slow-load warning"
     wait_for(lambda: freed(p, "frozen-p"), 20)
     assert_nothing_left(p)
 

@@ -7,11 +7,15 @@ that cannot be decoded, is too large or arrives before the peer authenticated ge
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import zmq
@@ -35,8 +39,10 @@ from kvbridge.core.errors import KvbridgeError, PeerError
 log = logging.getLogger("kvbridge.control")
 
 #: ``handler(peer engine id, message) -> reply``; raise ``MessageError`` or a kvbridge error to
-#: refuse the request (the endpoint turns it into an ``ErrorReply``).
-Handler = Callable[[str, Message], Message]
+#: refuse the request (the endpoint turns it into an ``ErrorReply``). A handler whose work is
+#: long (hashing gigabytes) returns a ``Future`` of the reply instead: the endpoint keeps serving
+#: other requests and sends that reply once it is done.
+Handler = Callable[[str, Message], "Message | Future[Message]"]
 
 
 class ControlError(KvbridgeError):
@@ -115,6 +121,13 @@ class Endpoint:
             raise PeerError(f"cannot bind the side channel on {host}:{port}: {err}") from None
         self.host, self.port = host, port
         self._sessions: dict[bytes, _Session] = {}
+        # Deferred replies, finished in other threads; a byte on the pipe wakes the loop, which
+        # alone may use the socket.
+        self._ready: deque[tuple[bytes, bytes]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kvbridge-endpoint[{engine_id}]")
         self._thread.daemon = True
@@ -130,13 +143,24 @@ class Endpoint:
         if not self._thread.is_alive():
             self._socket.close()
             self._context.term()
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self._stop.is_set():
-            if poller.poll(int(self._tick * 1000)):
+            events = dict(poller.poll(int(self._tick * 1000)))
+            if self._wake_r in events:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            while self._ready:
+                self._socket.send_multipart(list(self._ready.popleft()))
+            if self._socket in events:
                 try:
                     frames = self._socket.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -144,7 +168,8 @@ class Endpoint:
                 if len(frames) == 2:
                     identity, payload = frames
                     reply = self._answer(identity, payload)
-                    self._socket.send_multipart([identity, reply])
+                    if reply is not None:
+                        self._socket.send_multipart([identity, reply])
                 else:
                     log.warning("side channel: dropped a message of %d frames", len(frames))
             if self._on_tick is not None and time.monotonic() >= next_tick:
@@ -154,24 +179,45 @@ class Endpoint:
                 except Exception:
                     log.exception("side channel: housekeeping failed")
 
-    def _answer(self, identity: bytes, payload: bytes) -> bytes:
+    def _answer(self, identity: bytes, payload: bytes) -> bytes | None:
+        """The encoded reply, or None when the handler answers later (a ``Future``)."""
         seq = 0
         try:
             envelope = decode(payload)
             seq = envelope.seq
-            return encode(seq, self._dispatch(identity, envelope.body))
-        except MessageError as err:
+            body = self._dispatch(identity, envelope.body)
+            if isinstance(body, Future):
+                body.add_done_callback(lambda done: self._deferred(identity, seq, done))
+                return None
+            return encode(seq, body)
+        except Exception as err:
+            return self._refusal(seq, err)
+
+    def _deferred(self, identity: bytes, seq: int, done: Future[Message]) -> None:
+        try:
+            reply = encode(seq, done.result())
+        except Exception as err:
+            reply = self._refusal(seq, err)
+        with self._wake_lock:
+            if self._wake_w < 0:  # closed: the endpoint answers nothing any more
+                return
+            self._ready.append((identity, reply))
+            with contextlib.suppress(BlockingIOError):  # full: the loop is awake anyway
+                os.write(self._wake_w, b"x")
+
+    @staticmethod
+    def _refusal(seq: int, err: Exception) -> bytes:
+        if isinstance(err, MessageError):
             log.warning("side channel: refused a message (%s): %s", err.code, err)
             return encode(seq, ErrorReply(err.code, str(err)))
-        except KvbridgeError as err:
+        if isinstance(err, KvbridgeError):
             log.info("side channel: refused a request: %s", err)
             code = getattr(err, "code", type(err).__name__)
             return encode(seq, ErrorReply(str(code)[:64], str(err)))
-        except Exception as err:
-            log.exception("side channel: handler failed")
-            return encode(seq, ErrorReply("internal", f"{type(err).__name__}: {err}"))
+        log.error("side channel: handler failed", exc_info=err)
+        return encode(seq, ErrorReply("internal", f"{type(err).__name__}: {err}"))
 
-    def _dispatch(self, identity: bytes, body: Message) -> Message:
+    def _dispatch(self, identity: bytes, body: Message) -> Message | Future[Message]:
         session = self._sessions.get(identity)
         if isinstance(body, Hello):
             session = _Session(body.engine_id, body.nonce, auth.new_nonce())

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +99,13 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RequestStats:
     """Where a request's time went, and what it moved."""
 
+    #: from handing the request to the plane until it ended here (D: the load; P: the push)
+    total_s: float = 0.0
+    #: waiting for a free worker of the plane
+    queued_s: float = 0.0
     handshake_s: float = 0.0
+    #: D's request to P (pull: ``PullStart``, push: ``PushRequest``) until P answered
+    ask_s: float = 0.0
     plan_s: float = 0.0
     transfer_s: float = 0.0
     nbytes: int = 0
@@ -155,6 +161,7 @@ class _Pending:
     block_ids: BlockIds
     deadline: float
     stats: RequestStats = field(default_factory=RequestStats)
+    started: float = field(default_factory=time.monotonic)
     aborted: bool = False
     abort_reason: str = ""
     #: D's own read in flight (pull), released when the request is aborted
@@ -218,6 +225,8 @@ class ControlPlane:
         self.handshake_timeout = handshake_timeout
         self.fence_grace = fence_grace
         self.verify = Verify(verify)
+        #: a request taking this long logs where its time went (a quarter of the timeout)
+        self.slow_after = timeout / 4
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._lock = threading.RLock()
         self._finished_cond = threading.Condition(self._lock)
@@ -240,6 +249,8 @@ class ControlPlane:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request")
         # Fences and settling may wait long on a frozen peer: they never take a request worker.
         self._fencer = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence")
+        # P's digests for D's checks: memory-bound, off the endpoint thread.
+        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest")
         self._endpoint = Endpoint(
             self.engine_id, self._handle, host=host, port=port, secret=self._secret,
             on_tick=self._tick,
@@ -356,6 +367,7 @@ class ControlPlane:
         self._endpoint.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._fencer.shutdown(wait=True, cancel_futures=True)
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -368,7 +380,7 @@ class ControlPlane:
         self.close()
 
     # -- internals: P -----------------------------------------------------------------------------
-    def _handle(self, peer: str, body: Message) -> Message:
+    def _handle(self, peer: str, body: Message) -> Message | Future[Message]:
         if isinstance(body, Handshake):
             return self._on_handshake(body)
         if isinstance(body, PullStart):
@@ -432,7 +444,7 @@ class ControlPlane:
             lease.expires_at = max(lease.expires_at, time.monotonic() + 2 * self.timeout)
         return Ok()
 
-    def _on_digest_request(self, peer: str, body: DigestRequest) -> Message:
+    def _on_digest_request(self, peer: str, body: DigestRequest) -> Message | Future[Message]:
         with self._lock:
             lease = self._leases.get(body.request_id)
             remote = self._remotes.get(peer)
@@ -444,7 +456,10 @@ class ControlPlane:
             plan = plan_transfers(self.layout, remote.layout, src_ids, body.block_ids)
         except (ValueError, KvbridgeError) as err:
             raise MessageError("invalid", f"cannot digest {body.request_id!r}: {err}") from None
-        return Digest(digest(plan.src, plan.lengths, chosen(plan.count, check, body.request_id)))
+        # Hashing a large request takes long: the endpoint answers others meanwhile. P still
+        # holds the blocks: D keeps its claim until it has the digest.
+        which = chosen(plan.count, check, body.request_id)
+        return self._hasher.submit(lambda: Digest(digest(plan.src, plan.lengths, which)))
 
     def _on_abort(self, body: Abort) -> None:
         rid = body.request_id
@@ -501,11 +516,11 @@ class ControlPlane:
     def _start_push(self, lease: _Lease, peer: str, request: PushRequest) -> None:
         with self._lock:
             lease.pushing = True
-        self._executor.submit(self._run_push, lease, peer, request)
+        self._executor.submit(self._run_push, lease, peer, request, time.monotonic())
 
-    def _run_push(self, lease: _Lease, peer: str, request: PushRequest) -> None:
+    def _run_push(self, lease: _Lease, peer: str, request: PushRequest, started: float) -> None:
         rid, block_ids = lease.params.request_id, request.block_ids
-        stats = RequestStats()
+        stats = RequestStats(queued_s=time.monotonic() - started)
         with self._lock:
             remote = self._remotes[peer]
         try:
@@ -529,7 +544,9 @@ class ControlPlane:
         with self._lock:
             self._push_results[rid] = (done, time.monotonic() + self.lease)
         # Fenced: the engine reads P's blocks no more, so they may go back now.
+        stats.total_s = time.monotonic() - started
         self._free(rid, ok, reason, stats)
+        self._report_slow("push", rid, stats)
         self._fencer.submit(self._deliver, remote.endpoint, done)
 
     def _deliver(self, endpoint: str, done: PushDone) -> None:
@@ -538,8 +555,10 @@ class ControlPlane:
             try:
                 start = time.monotonic()
                 self._client(endpoint).request(done, self.timeout)
-                log.debug("request %s: push end (ok=%s) delivered in %.3f s",
-                          done.request_id, done.ok, time.monotonic() - start)  # fmt: skip
+                took = time.monotonic() - start
+                log.log(logging.WARNING if took >= self.slow_after else logging.DEBUG,
+                        "request %s: push end (ok=%s) delivered in %.3f s",
+                        done.request_id, done.ok, took)  # fmt: skip
                 return
             except PeerRefusedError as err:  # D is gone: nobody to tell
                 log.info("request %s: decode is gone (%s)", done.request_id, err)
@@ -623,9 +642,12 @@ class ControlPlane:
 
     def _run_pull(self, pending: _Pending) -> None:
         params, rid = pending.params, pending.params.request_id
+        pending.stats.queued_s = time.monotonic() - pending.started
         try:
             remote = self._remote_for(params, pending.stats)
+            asked = time.monotonic()
             self._claim(params, pending)
+            pending.stats.ask_s = time.monotonic() - asked
             plan = self._plan(remote.layout, self.layout, params.block_ids, pending.block_ids,
                               pending.stats)  # fmt: skip
             self._move(TransferOp.READ, remote.engine_id, plan, pending, pending.stats, rid)
@@ -735,13 +757,16 @@ class ControlPlane:
 
     def _run_push_request(self, pending: _Pending) -> None:
         params, rid = pending.params, pending.params.request_id
+        pending.stats.queued_s = time.monotonic() - pending.started
         try:
             self._remote_for(params, pending.stats)
             if pending.aborted:  # never asked: P only needs to free its blocks
                 self._send_abort(params, pending.abort_reason)
                 raise KvbridgeError("aborted by decode")
             ask = PushRequest(rid, pending.block_ids, self.verify.value)
+            asked = time.monotonic()
             self._client(params.endpoint).request(ask, self.timeout)
+            pending.stats.ask_s = time.monotonic() - asked
             log.debug("request %s: push requested", rid)
         except PeerTimeoutError:
             pass  # the request may have reached P: settled with P at the deadline
@@ -839,10 +864,27 @@ class ControlPlane:
             if pending.aborted:
                 why = pending.abort_reason
                 reason = why if not reason or why in reason else f"{why} ({reason})"
+            pending.stats.total_s = time.monotonic() - pending.started
             outcome = RequestOutcome(request_id, ok and not pending.aborted, reason, pending.stats)
             self._record(outcome)
         log.debug("request %s: %s %s %s", request_id, "done" if ok else "failed", reason,
                   pending.stats)  # fmt: skip
+        self._report_slow("load", request_id, pending.stats)
+
+    def _report_slow(self, what: str, request_id: str, stats: RequestStats) -> None:
+        """One warning with the breakdown for a request that took a large part of its timeout,
+        so that a slow load says where its time went (this side's queue, the handshake, the
+        peer's answer, the engine's transfer, a fence)."""
+        if stats.total_s < self.slow_after:
+            return
+        parts = ("queued_s", "handshake_s", "ask_s", "plan_s", "transfer_s", "fence_s",
+                 "verify_s")  # fmt: skip
+        known = sum(getattr(stats, name) for name in parts)
+        log.warning(
+            "request %s: %s took %.2f s: %s, unaccounted %.2f s", request_id, what, stats.total_s,
+            ", ".join(f"{name[:-2]} {getattr(stats, name):.2f}" for name in parts),
+            max(0.0, stats.total_s - known),
+        )  # fmt: skip
 
     def _send_release(self, params: TransferParams, ok: bool, reason: str) -> None:
         try:
