@@ -14,11 +14,13 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvbridge.core.errors import TransportUnavailableError
+from kvbridge.core.errors import TransportError, TransportUnavailableError
 from kvbridge.core.registry import load_transport_class
+from kvbridge.transports.nixl.transport import _nvidia_gpu_present, _tls_hint
 from tests.transports.conformance import TransportConformance
 
-TCP_LOOPBACK = {"TLS": "tcp", "NET_DEVICES": "lo"}
+# On a GPU host NIXL's UCX backend refuses a TLS list without a CUDA transport.
+TCP_LOOPBACK = {"TLS": "tcp,cuda_copy" if _nvidia_gpu_present() else "tcp", "NET_DEVICES": "lo"}
 
 
 class TestNixl(TransportConformance):
@@ -63,11 +65,11 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-_MAKE = """
+_MAKE = f"""
     import numpy as np
     import kvbridge
     from kvbridge.core.transport import MemoryRange
-    t = kvbridge.load_transport("nixl", ucx={"TLS": "tcp"})
+    t = kvbridge.load_transport("nixl", ucx={{"TLS": "{TCP_LOOPBACK["TLS"]}"}})
     buf = np.zeros(1 << 20, dtype=np.uint8)
     t.register([MemoryRange(int(buf.ctypes.data), buf.nbytes)])
     t.metadata()
@@ -95,11 +97,36 @@ def test_ucx_settings_apply_to_the_agent_only(nixl: None, monkeypatch: pytest.Mo
 
     monkeypatch.delenv("UCX_TLS", raising=False)
     monkeypatch.delenv("UCX_MODULES", raising=False)
-    transport = kvbridge.load_transport("nixl", ucx={"tls": "tcp", "UCX_NET_DEVICES": "lo"})
+    tls = TCP_LOOPBACK["TLS"]
+    transport = kvbridge.load_transport("nixl", ucx={"tls": tls, "UCX_NET_DEVICES": "lo"})
     try:
         env = transport.ucx_environment  # type: ignore[attr-defined]
-        assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "lo"
+        assert env["UCX_TLS"] == tls and env["UCX_NET_DEVICES"] == "lo"
         assert env.get("UCX_MODULES") in {"^efa", None}
         assert "UCX_TLS" not in os.environ and "UCX_MODULES" not in os.environ
     finally:
         transport.close()
+
+
+@pytest.mark.timeout(60)
+def test_tcp_only_tls_on_a_gpu_host_is_refused_with_the_fix(nixl: None) -> None:
+    """NIXL's UCX backend refuses UCX_TLS=tcp where NVIDIA GPUs are present; the error says
+    what to add instead of only NIXL's status code."""
+    if not _nvidia_gpu_present():
+        pytest.skip("needs an NVIDIA GPU host (NIXL accepts TLS=tcp without one)")
+    import kvbridge
+
+    with pytest.raises(TransportError, match="add cuda_copy"):
+        kvbridge.load_transport("nixl", ucx={"TLS": "tcp"})
+
+
+def test_tls_hint_names_cuda_copy_only_where_it_helps(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvbridge.transports.nixl.transport as nixl_transport
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.setattr(nixl_transport, "_nvidia_gpu_present", lambda: True)
+    assert "tcp,cuda_copy" in _tls_hint({"UCX_TLS": "tcp"})
+    assert _tls_hint({"UCX_TLS": "tcp,cuda_copy"}) == ""
+    assert _tls_hint({}) == ""  # UCX picks its own transports, CUDA included
+    monkeypatch.setattr(nixl_transport, "_nvidia_gpu_present", lambda: False)
+    assert _tls_hint({"UCX_TLS": "tcp"}) == ""

@@ -149,6 +149,26 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__} {err}".strip()
 
 
+def _nvidia_gpu_present() -> bool:
+    """True when the host has an NVIDIA GPU (its driver's device node)."""
+    return Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
+
+
+def _tls_hint(env: dict[str, str]) -> str:
+    """What to do when NIXL refused a ``UCX_TLS`` that leaves out CUDA on a GPU host.
+
+    NIXL's UCX backend refuses such a setting (its reason goes only to its log), so a
+    ``{"TLS": "tcp"}`` that works on a CPU host stops the agent on a GPU host.
+    """
+    tls = env.get("UCX_TLS", os.environ.get("UCX_TLS", ""))
+    if not tls or "cuda" in tls.lower() or not _nvidia_gpu_present():
+        return ""
+    return (
+        f"; UCX_TLS={tls} gives UCX no CUDA transport on a host with NVIDIA GPUs, which NIXL's "
+        f'UCX backend refuses: add cuda_copy (ucx: {{"TLS": "{tls},cuda_copy"}})'
+    )
+
+
 def _efa_device_present() -> bool:
     """True when the host has an AWS EFA device, the only case UCX's ``efa`` module serves."""
     root = Path("/sys/class/infiniband")
@@ -261,7 +281,8 @@ class NixlTransport(Transport):
         timeout: seconds a batch may take from ``submit``; NIXL itself never gives up on a
             stalled peer, so ``poll`` fails and cancels a batch past this deadline.
         ucx: UCX settings, set as ``UCX_<KEY>`` environment variables while the agent is created,
-            e.g. ``{"TLS": "tcp", "NET_DEVICES": "lo"}``. ``MODULES`` defaults to ``^efa`` (see
+            e.g. ``{"TLS": "tcp", "NET_DEVICES": "lo"}`` (on a GPU host NIXL wants a CUDA
+            transport in ``TLS`` too: ``"tcp,cuda_copy"``). ``MODULES`` defaults to ``^efa`` (see
             the module docstring) unless ``UCX_MODULES`` is set or the host has an EFA device.
             Settings UCX reads once per process (``MODULES``, logging) take effect only for the
             first agent of the process.
@@ -283,6 +304,7 @@ class NixlTransport(Transport):
         device_id: int | None = None,
     ) -> None:
         super().__init__(timeout=timeout)
+        self._closed = True  # until the agent runs: nothing to close, and repr() works
         if isinstance(backends, str):
             backends = (backends,)
         if not backends:
@@ -304,7 +326,7 @@ class NixlTransport(Transport):
         except startup_errors as err:
             raise TransportError(
                 f"the NIXL agent {self.agent_name!r} did not start with backends "
-                f"{list(self.backends)}: {_describe(err)}"
+                f"{list(self.backends)}: {_describe(err)}{_tls_hint(self.ucx_environment)}"
             ) from err
         missing = [b for b in self.backends if b not in agent.backends]
         if missing:  # NIXL only logs a warning for a backend whose plugin is missing
