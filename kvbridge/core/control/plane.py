@@ -646,8 +646,10 @@ class ControlPlane:
         try:
             remote = self._remote_for(params, pending.stats)
             asked = time.monotonic()
-            self._claim(params, pending)
-            pending.stats.ask_s = time.monotonic() - asked
+            try:
+                self._claim(params, pending)
+            finally:
+                pending.stats.ask_s = time.monotonic() - asked
             plan = self._plan(remote.layout, self.layout, params.block_ids, pending.block_ids,
                               pending.stats)  # fmt: skip
             self._move(TransferOp.READ, remote.engine_id, plan, pending, pending.stats, rid)
@@ -765,8 +767,10 @@ class ControlPlane:
                 raise KvbridgeError("aborted by decode")
             ask = PushRequest(rid, pending.block_ids, self.verify.value)
             asked = time.monotonic()
-            self._client(params.endpoint).request(ask, self.timeout)
-            pending.stats.ask_s = time.monotonic() - asked
+            try:
+                self._client(params.endpoint).request(ask, self.timeout)
+            finally:  # a request that timed out counts too: that is where the time went
+                pending.stats.ask_s = time.monotonic() - asked
             log.debug("request %s: push requested", rid)
         except PeerTimeoutError:
             pass  # the request may have reached P: settled with P at the deadline
@@ -880,7 +884,7 @@ class ControlPlane:
         parts = ("queued_s", "handshake_s", "ask_s", "plan_s", "transfer_s", "fence_s",
                  "verify_s")  # fmt: skip
         known = sum(getattr(stats, name) for name in parts)
-        log.warning(
+        log.warning(  # in a push, D's unaccounted time is its wait for P's word
             "request %s: %s took %.2f s: %s, unaccounted %.2f s", request_id, what, stats.total_s,
             ", ".join(f"{name[:-2]} {getattr(stats, name):.2f}" for name in parts),
             max(0.0, stats.total_s - known),
@@ -916,9 +920,10 @@ class ControlPlane:
             if remote is not None and remote.engine_id == params.engine_id:
                 return remote
             start = time.monotonic()
-            remote = self._handshake(params)
-            stats.handshake_s = time.monotonic() - start
-            return remote
+            try:
+                return self._handshake(params)
+            finally:
+                stats.handshake_s = time.monotonic() - start
 
     def _handshake(self, params: TransferParams) -> _RemoteEngine:
         deadline = time.monotonic() + self.handshake_timeout
