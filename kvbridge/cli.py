@@ -165,7 +165,7 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from kvbridge.core.control.plane import Mode
+    from kvbridge.control.plane import Mode
     from kvbridge.demo import DemoConfig, DemoError, run_demo
 
     if args.transport == "all":

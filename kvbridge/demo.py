@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.boundary import remote_prefill_token_count
-from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.registry import load_transport

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.bench.cases import CASES, BenchCase, load_source_module, request_ids
+from kvbridge.control.plane import ControlPlane, TransferParams
 from kvbridge.core.boundary import remote_prefill_token_count
-from kvbridge.core.control.plane import ControlPlane, TransferParams
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import plan_transfers

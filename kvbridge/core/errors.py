@@ -51,6 +51,18 @@ class PeerError(TransportError):
     """A peer is unknown, unreachable or sent unusable metadata."""
 
 
+class PeerTimeoutError(PeerError, TimeoutError):
+    """A peer did not answer within the timeout (dead, frozen or unreachable)."""
+
+
+class PeerRefusedError(PeerError, ConnectionRefusedError):
+    """Nothing accepts connections at the peer's address (its engine died or has not started).
+
+    Raised as soon as a connection attempt is refused while none is up, instead of waiting out
+    the timeout: a refusal is a definite answer (a frozen or unreachable peer still times out).
+    """
+
+
 class TransferError(TransportError):
     """An engine reported a failed transfer."""
 
@@ -61,3 +73,23 @@ class TransferTimeoutError(TransferError, TimeoutError):
 
 class IntegrityError(KvbridgeError):
     """The bytes a side received differ from what the other side sent (``verify`` check)."""
+
+
+class MessageError(KvbridgeError, ValueError):
+    """A received control message cannot be used; ``code`` is sent back in an ``ErrorReply``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ControlError(KvbridgeError):
+    """A peer refused a control request (``code`` from its ``ErrorReply``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class OutcomeTimeoutError(KvbridgeError, TimeoutError):
+    """A request has no outcome yet after the time a caller was willing to wait."""

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core import Layout, plan_transfers
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
-from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.groups import GroupKind
 from kvbridge.demo import AddressMap, Arena
 from kvbridge.model_shapes import ModelShape, layout_spec

@@ -8,8 +8,9 @@ from concurrent.futures import Future
 
 import pytest
 
-from kvbridge.core.control.channel import ControlError, Endpoint, PeerClient
-from kvbridge.core.control.messages import Digest, DigestRequest, Message, MessageError, Ok, Ping
+from kvbridge.control.channel import Endpoint, PeerClient
+from kvbridge.control.messages import Digest, DigestRequest, Message, Ok, Ping
+from kvbridge.core.errors import ControlError, MessageError
 
 pytestmark = pytest.mark.timeout(60)
 

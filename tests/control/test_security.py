@@ -11,8 +11,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.core.control import auth
-from kvbridge.core.control.messages import (
+from kvbridge.control import auth
+from kvbridge.control.messages import (
     MAX_MESSAGE_BYTES,
     Auth,
     Challenge,

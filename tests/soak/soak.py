@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core.control.channel import PeerClient
-from kvbridge.core.control.messages import Abort, PushDone, PushRequest, Release
+from kvbridge.control.channel import PeerClient
+from kvbridge.control.messages import Abort, PushDone, PushRequest, Release
 from tests.control.engine import (
     BlockAllocator,  # noqa: F401  (same id rules as the tests)
     EngineProcess,

@@ -36,7 +36,7 @@ from kvbridge.adapters.vllm.layout import (
 )
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
-from kvbridge.core.control.plane import ControlPlane, Mode, TransferParams
+from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport

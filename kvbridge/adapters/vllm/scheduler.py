@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.control.plane import Mode, TransferParams
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
-from kvbridge.core.control.plane import Mode, TransferParams
 from kvbridge.core.groups import GroupKind
 
 #: The key of our ``TransferParams`` inside vLLM's ``kv_transfer_params``.

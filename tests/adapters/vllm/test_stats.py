@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvbridge.adapters.vllm.stats import KVBridgeStats
-from kvbridge.core.control.plane import RequestStats
+from kvbridge.control.plane import RequestStats
 
 
 def test_aggregate_and_reduce() -> None:

@@ -202,7 +202,7 @@ def install(directory: Path, role: str) -> None:
     """Wrap the connector's transport and record its plane's outcomes, in this process (once)."""
     global _installed
     from kvbridge.adapters.vllm import connector
-    from kvbridge.core.control.plane import ControlPlane
+    from kvbridge.control.plane import ControlPlane
 
     if _installed:
         return

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import msgspec
 
+from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
 PROTOCOL_VERSION = 1
@@ -168,14 +169,6 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     seq: Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
     body: AnyMessage
-
-
-class MessageError(ValueError):
-    """A received message cannot be used; ``code`` is sent back in an ``ErrorReply``."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -21,20 +21,26 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvbridge.core.control import auth
-from kvbridge.core.control.messages import (
+from kvbridge.control import auth
+from kvbridge.control.messages import (
     MAX_MESSAGE_BYTES,
     Auth,
     Challenge,
     ErrorReply,
     Hello,
     Message,
-    MessageError,
     Ok,
     decode,
     encode,
 )
-from kvbridge.core.errors import KvbridgeError, PeerError
+from kvbridge.core.errors import (
+    ControlError,
+    KvbridgeError,
+    MessageError,
+    PeerError,
+    PeerRefusedError,
+    PeerTimeoutError,
+)
 
 log = logging.getLogger("kvbridge.control")
 
@@ -43,26 +49,6 @@ log = logging.getLogger("kvbridge.control")
 #: long (hashing gigabytes) returns a ``Future`` of the reply instead: the endpoint keeps serving
 #: other requests and sends that reply once it is done.
 Handler = Callable[[str, Message], "Message | Future[Message]"]
-
-
-class ControlError(KvbridgeError):
-    """A peer refused a request (``code`` from its ``ErrorReply``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class PeerTimeoutError(PeerError, TimeoutError):
-    """A peer did not answer within the timeout."""
-
-
-class PeerRefusedError(PeerError, ConnectionRefusedError):
-    """Nothing accepts connections at the peer's address (its engine died or has not started).
-
-    Raised as soon as a connection attempt is refused while none is up, instead of waiting out
-    the timeout: a refusal is a definite answer (a frozen or unreachable peer still times out).
-    """
 
 
 #: Socket events that tell whether the peer's address accepts connections.

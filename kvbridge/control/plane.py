@@ -31,23 +31,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.core.block_mapping import prepare_block_ids
-from kvbridge.core.compat import check_compatible
-from kvbridge.core.control.channel import (
-    ControlError,
-    Endpoint,
-    PeerClient,
-    PeerRefusedError,
-    PeerTimeoutError,
-)
-from kvbridge.core.control.messages import (
+from kvbridge.control.channel import Endpoint, PeerClient
+from kvbridge.control.messages import (
     Abort,
     BlockIds,
     Digest,
     DigestRequest,
     Handshake,
     Message,
-    MessageError,
     Ok,
     Ping,
     PullStart,
@@ -56,7 +47,18 @@ from kvbridge.core.control.messages import (
     PushRequest,
     Release,
 )
-from kvbridge.core.errors import IntegrityError, KvbridgeError, LayoutMismatchError
+from kvbridge.core.block_mapping import prepare_block_ids
+from kvbridge.core.compat import check_compatible
+from kvbridge.core.errors import (
+    ControlError,
+    IntegrityError,
+    KvbridgeError,
+    LayoutMismatchError,
+    MessageError,
+    OutcomeTimeoutError,
+    PeerRefusedError,
+    PeerTimeoutError,
+)
 from kvbridge.core.integrity import Verify, chosen, digest
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import plan_transfers
@@ -348,7 +350,9 @@ class ControlPlane:
             while request_id not in self._finished:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"request {request_id!r} has no outcome after {timeout} s")
+                    raise OutcomeTimeoutError(
+                        f"request {request_id!r} has no outcome after {timeout} s"
+                    )
                 self._finished_cond.wait(left)
             return self._finished.pop(request_id)
 
