@@ -917,17 +917,18 @@ class ControlPlane:
         with self._lock:
             gate = self._handshake_gates.setdefault(params.endpoint, threading.Lock())
         # One handshake per remote engine at a time: requests arriving together wait for it
-        # instead of each reconnecting the transport under the others' transfers.
-        with gate:
-            with self._lock:
-                remote = self._by_endpoint.get(params.endpoint)
-            if remote is not None and remote.engine_id == params.engine_id:
-                return remote
-            start = time.monotonic()
-            try:
+        # instead of each reconnecting the transport under the others' transfers. Waiting for
+        # another request's handshake counts as this one's handshake time.
+        start = time.monotonic()
+        try:
+            with gate:
+                with self._lock:
+                    remote = self._by_endpoint.get(params.endpoint)
+                if remote is not None and remote.engine_id == params.engine_id:
+                    return remote
                 return self._handshake(params)
-            finally:
-                stats.handshake_s = time.monotonic() - start
+        finally:
+            stats.handshake_s = time.monotonic() - start
 
     def _handshake(self, params: TransferParams) -> _RemoteEngine:
         deadline = time.monotonic() + self.handshake_timeout
