@@ -16,6 +16,7 @@ never a wrong byte.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -23,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +175,17 @@ class _Pending:
     settling: bool = False
     #: since when the outcome waits for a fence (0: not waiting)
     held_since: float = 0.0
+
+
+@contextlib.contextmanager
+def _timed(stats: RequestStats, name: str) -> Iterator[None]:
+    """Record the block's duration in ``stats.<name>``, also when it raised or timed out: that
+    is where a slow request's time went."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        setattr(stats, name, time.monotonic() - start)
 
 
 def default_engine_id() -> str:
@@ -649,11 +661,8 @@ class ControlPlane:
         pending.stats.queued_s = time.monotonic() - pending.started
         try:
             remote = self._remote_for(params, pending.stats)
-            asked = time.monotonic()
-            try:
+            with _timed(pending.stats, "ask_s"):
                 self._claim(params, pending)
-            finally:
-                pending.stats.ask_s = time.monotonic() - asked
             plan = self._plan(remote.layout, self.layout, params.block_ids, pending.block_ids,
                               pending.stats)  # fmt: skip
             self._move(TransferOp.READ, remote.engine_id, plan, pending, pending.stats, rid)
@@ -770,11 +779,8 @@ class ControlPlane:
                 self._send_abort(params, pending.abort_reason)
                 raise KvbridgeError("aborted by decode")
             ask = PushRequest(rid, pending.block_ids, self.verify.value)
-            asked = time.monotonic()
-            try:
+            with _timed(pending.stats, "ask_s"):
                 self._client(params.endpoint).request(ask, self.timeout)
-            finally:  # a request that timed out counts too: that is where the time went
-                pending.stats.ask_s = time.monotonic() - asked
             log.debug("request %s: push requested", rid)
         except PeerTimeoutError:
             pass  # the request may have reached P: settled with P at the deadline
@@ -919,16 +925,12 @@ class ControlPlane:
         # One handshake per remote engine at a time: requests arriving together wait for it
         # instead of each reconnecting the transport under the others' transfers. Waiting for
         # another request's handshake counts as this one's handshake time.
-        start = time.monotonic()
-        try:
-            with gate:
-                with self._lock:
-                    remote = self._by_endpoint.get(params.endpoint)
-                if remote is not None and remote.engine_id == params.engine_id:
-                    return remote
-                return self._handshake(params)
-        finally:
-            stats.handshake_s = time.monotonic() - start
+        with _timed(stats, "handshake_s"), gate:
+            with self._lock:
+                remote = self._by_endpoint.get(params.endpoint)
+            if remote is not None and remote.engine_id == params.engine_id:
+                return remote
+            return self._handshake(params)
 
     def _handshake(self, params: TransferParams) -> _RemoteEngine:
         deadline = time.monotonic() + self.handshake_timeout

@@ -75,20 +75,20 @@ class IntegrityError(KvbridgeError):
     """The bytes a side received differ from what the other side sent (``verify`` check)."""
 
 
-class MessageError(KvbridgeError, ValueError):
+class CodedError(KvbridgeError):
+    """An error with the short ``code`` a control-plane ``ErrorReply`` carries."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MessageError(CodedError, ValueError):
     """A received control message cannot be used; ``code`` is sent back in an ``ErrorReply``."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
-
-class ControlError(KvbridgeError):
+class ControlError(CodedError):
     """A peer refused a control request (``code`` from its ``ErrorReply``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class OutcomeTimeoutError(KvbridgeError, TimeoutError):

@@ -3,14 +3,14 @@ D's integrity check) answers later, and the endpoint serves every other request 
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from kvbridge.control.channel import Endpoint, PeerClient
 from kvbridge.control.messages import Digest, DigestRequest, Message, Ok, Ping
 from kvbridge.core.errors import ControlError, MessageError
+from tests.control.test_faults import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,50 +38,32 @@ def endpoint():
     server.close()
 
 
-def _ask_in_thread(client: PeerClient, body: Message) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["reply"] = client.request(body)
-        except Exception as err:
-            out["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
+@pytest.fixture
+def asker():
+    """Sends a request from another thread; its reply (or error) is the returned future's."""
+    with ThreadPoolExecutor(2) as pool:
+        yield lambda client, body: pool.submit(client.request, body)
 
 
-def _wait_until(condition, seconds: float = 20.0) -> None:
-    event = threading.Event()
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        event.wait(0.01)
-    raise AssertionError("condition not met in time")
-
-
-def test_deferred_reply_arrives_later_and_others_are_served_meanwhile(endpoint):
+def test_deferred_reply_arrives_later_and_others_are_served_meanwhile(endpoint, asker):
     held, client = endpoint
-    thread, out = _ask_in_thread(client("decode-1"), DigestRequest("big", {0: [1]}, "full"))
-    _wait_until(lambda: "big" in held)
+    asked = asker(client("decode-1"), DigestRequest("big", {0: [1]}, "full"))
+    wait_for(lambda: "big" in held, 20)
     # The digest is still being computed: another peer's requests are answered now.
     other = client("decode-2")
     assert isinstance(other.request(Ping()), Ok)
     assert isinstance(other.request(Ping()), Ok)
-    assert not held["big"].done() and thread.is_alive()
+    assert not held["big"].done() and not asked.done()
     held["big"].set_result(Digest(1234))
-    thread.join(20)
-    assert out.get("reply") == Digest(1234), out
+    assert asked.result(20) == Digest(1234)
 
 
-def test_deferred_refusal_reaches_the_client_as_its_error(endpoint):
+def test_deferred_refusal_reaches_the_client_as_its_error(endpoint, asker):
     held, client = endpoint
-    thread, out = _ask_in_thread(client("decode-1"), DigestRequest("gone", {0: [1]}, "full"))
-    _wait_until(lambda: "gone" in held)
+    asked = asker(client("decode-1"), DigestRequest("gone", {0: [1]}, "full"))
+    wait_for(lambda: "gone" in held, 20)
     held["gone"].set_exception(MessageError("invalid", "cannot digest 'gone'"))
-    thread.join(20)
-    err = out.get("error")
-    assert isinstance(err, ControlError) and err.code == "invalid", out
+    err = asked.exception(20)
+    assert isinstance(err, ControlError) and err.code == "invalid", err
     # The endpoint keeps serving after a refused deferred request.
     assert isinstance(client("decode-2").request(Ping()), Ok)
