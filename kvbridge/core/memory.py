@@ -1,13 +1,49 @@
-"""Bookkeeping of registered memory ranges, shared by every transport."""
+"""Memory a transport registers, and the bookkeeping of it shared by every transport."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.core.batches import AddrArray
 from kvbridge.core.errors import RegistrationError
-from kvbridge.core.transport import AddrArray, MemoryRange
+
+
+class MemoryKind(enum.Enum):
+    """Where a registered range lives."""
+
+    DRAM = "dram"
+    VRAM = "vram"
+
+
+@dataclass(frozen=True, order=True)
+class MemoryRange:
+    """A contiguous range of memory to register: ``[addr, addr + size)``."""
+
+    addr: int
+    size: int
+    kind: MemoryKind = MemoryKind.DRAM
+    device_id: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.size
+
+    @property
+    def device(self) -> tuple[MemoryKind, int]:
+        """``(kind, device id)``; host memory is device 0 whatever the range says."""
+        return (self.kind, self.device_id if self.kind is MemoryKind.VRAM else 0)
+
+
+def by_device(ranges: Sequence[MemoryRange]) -> dict[tuple[MemoryKind, int], list[MemoryRange]]:
+    """Ranges grouped by ``MemoryRange.device`` in first-seen order (engines register per group)."""
+    groups: dict[tuple[MemoryKind, int], list[MemoryRange]] = {}
+    for rng in ranges:
+        groups.setdefault(rng.device, []).append(rng)
+    return groups
 
 
 class RegisteredRanges:

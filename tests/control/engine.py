@@ -28,7 +28,7 @@ from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 from kvbridge.demo import AddressMap, Arena
 from kvbridge.model_shapes import ModelShape, layout_spec
-from tests.reply_stream import take_stdout
+from kvbridge.testing.reply_stream import take_stdout
 
 TINY_HYBRID = ModelShape(
     name="tiny-hybrid", source="test shape", num_layers=8, num_kv_heads=2, head_dim=64,
@@ -134,7 +134,7 @@ def handle(
         return plane.leased
     if name == "pullers":
         with plane._lock:
-            return {r: lease.puller for r, lease in plane._leases.items()}
+            return {r: lease.puller for r, lease in plane._prefill._leases.items()}
     if name == "verify":
         return verify(cmd, config, arena, layout, original)
     if name == "fault":  # switch an injected fault on or off while the engine runs
@@ -151,7 +151,7 @@ def handle(
         return plane.held
     if name == "pending_push":
         with plane._lock:
-            return sorted(plane._pending_push)
+            return sorted(plane._prefill._pending_push)
     if name == "close":
         plane.close()
         registered = getattr(plane.transport, "registered", None)
@@ -160,27 +160,28 @@ def handle(
     raise ValueError(f"unknown command {name}")
 
 
-_ORIGINALS: dict[str, Any] = {}
+#: (object, attribute) of every injected fault: instance attributes shadowing real methods
+_INJECTED: list[tuple[Any, str]] = []
 
 
 def remove_faults(plane: ControlPlane) -> None:
     """Undo every injected fault (the instance attributes shadowing the real methods go)."""
-    for attr in _ORIGINALS:
-        owner = plane.transport if attr.startswith("transport.") else plane
-        owner.__dict__.pop(attr.removeprefix("transport."), None)
-    _ORIGINALS.clear()
+    for owner, attr in _INJECTED:
+        owner.__dict__.pop(attr, None)
+    _INJECTED.clear()
 
 
 def inject_fault(plane: ControlPlane, fault: str) -> None:
     """Faults the real parts cannot produce on demand; the rest of the plane stays real."""
+    prefill, decode = plane._prefill, plane._decode
     if fault == "drop_push_done":  # P never manages to tell D how a push ended
-        plane._deliver = lambda endpoint, done: None  # type: ignore[method-assign]
-        _ORIGINALS["_deliver"] = 1
+        prefill._deliver = lambda endpoint, done: None  # type: ignore[method-assign]
+        _INJECTED.append((prefill, "_deliver"))
     elif fault == "corrupt_received":  # D: a byte of each descriptor changes after it landed
         submit, wait, on_push_done = (
             plane.transport.submit,
             plane.transport.wait,
-            plane._on_push_done,
+            decode.on_push_done,
         )
         first: dict[int, list[int]] = {}
 
@@ -198,19 +199,20 @@ def inject_fault(plane: ControlPlane, fault: str) -> None:
             wait(handle, timeout)
             flip(first[id(handle)])
 
-        def on_push_done_(body):  # type: ignore[no-untyped-def]
-            pending = plane._pending.get(body.request_id)
+        def on_push_done_(body, sender=None):  # type: ignore[no-untyped-def]
+            pending = decode._pending.get(body.request_id)
             if pending is not None and body.ok:
-                remote = next(iter(plane._by_endpoint.values()))
+                remote = next(iter(plane._peers._by_endpoint.values()))
                 plan = plan_transfers(remote.layout, plane.layout, pending.params.block_ids,
                                       pending.block_ids)  # fmt: skip
                 flip(plan.dst.tolist())
-            on_push_done(body)
+            on_push_done(body, sender)
 
         plane.transport.submit = submit_  # type: ignore[method-assign]
         plane.transport.wait = wait_  # type: ignore[method-assign]
-        plane._on_push_done = on_push_done_  # type: ignore[method-assign]
-        _ORIGINALS.update({"transport.submit": 1, "transport.wait": 1, "_on_push_done": 1})
+        decode.on_push_done = on_push_done_  # type: ignore[method-assign]
+        _INJECTED.extend([(plane.transport, "submit"), (plane.transport, "wait"),
+                          (decode, "on_push_done")])  # fmt: skip
     else:
         raise ValueError(f"unknown fault {fault!r}")
 

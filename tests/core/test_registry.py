@@ -21,70 +21,49 @@ PLUGIN = textwrap.dedent(
     '''
     """A third-party transport: copies within one process with ctypes.memmove."""
     import ctypes
-    import time
 
-    from kvbridge.core.errors import PeerError, TransportUnavailableError
-    from kvbridge.core.memory import RegisteredRanges
-    from kvbridge.core.transport import (
-        DONE, TransferHandle, TransferOp, Transport, TransportLimits, check_descriptors,
-    )
+    from kvbridge.core.transport import TransferOp, Transport, TransportLimits
 
 
     class MemmoveTransport(Transport):
+        """Every engine hook; the base does the rest (peers, checks, handles, deadlines)."""
+
         name = "memmove"
+        install_hint = "pip install 'thirdparty-transport[fancy]'"
 
         def __init__(self, *, timeout=5.0, label="x"):
             super().__init__(timeout=timeout)
             self.label = label
-            self.ranges = RegisteredRanges()
-            self.peers = {}
+            self._open(TransportLimits())
 
-        @property
-        def limits(self):
-            return TransportLimits(max_batch=None)
+        def _register_group(self, device, ranges):
+            pass
 
-        def register(self, ranges):
-            self.ranges.add(ranges)
+        def _deregister_group(self, device, ranges):
+            pass
 
-        def deregister(self, ranges):
-            self.ranges.remove(ranges)
-
-        def metadata(self):
+        def _engine_metadata(self):
             return self.label.encode()
 
-        def connect(self, peer, metadata):
-            self.peers[peer] = metadata
+        def _connect_engine(self, peer, payload, old):
+            return payload.decode()
 
-        def disconnect(self, peer):
-            self.peers.pop(peer, None)
-
-        def submit(self, op, peer, local, remote, lengths):
-            if peer not in self.peers:
-                raise PeerError(f"unknown peer {peer}")
-            count, nbytes = check_descriptors(local, remote, lengths)
-            self.ranges.require_covered(local, lengths, "local")
-            for l, r, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
-                src, dst = (r, l) if op is TransferOp.READ else (l, r)
+        def _start_chunk(self, state, chunk):
+            pairs = zip(chunk.local.tolist(), chunk.remote.tolist(), chunk.lengths.tolist())
+            for l, r, n in pairs:
+                src, dst = (r, l) if chunk.op is TransferOp.READ else (l, r)
                 ctypes.memmove(dst, src, n)
-            return TransferHandle(op, peer, count, nbytes, time.monotonic() + self.timeout)
-
-        def poll(self, handle):
-            return DONE
-
-        def close(self):
-            self.ranges.clear()
-            self.peers.clear()
+            return None  # finished inside the call
 
 
     class NeedsEngineTransport(MemmoveTransport):
         name = "needs-engine"
 
         @classmethod
-        def check_available(cls):
-            raise TransportUnavailableError(
-                "the engine library 'fancy_engine' is not installed: "
-                "pip install 'thirdparty-transport[fancy]'"
-            )
+        def _import_engine(cls):
+            import fancy_engine  # not installed
+
+            return fancy_engine
     '''
 )
 
@@ -120,13 +99,15 @@ def test_third_party_transport_is_discovered_and_moves_bytes(third_party):
 
     transport = kvbridge.load_transport("memmove", label="peer-a", timeout=2.0)
     assert isinstance(transport, Transport)
-    assert transport.metadata() == b"peer-a" and transport.timeout == 2.0
+    assert transport.timeout == 2.0
     src = np.arange(64, dtype=np.uint8)
     dst = np.zeros(64, dtype=np.uint8)
     from kvbridge.core import MemoryRange
 
     transport.register([MemoryRange(dst.ctypes.data, dst.nbytes)])
-    transport.connect("peer", b"")
+    other = kvbridge.load_transport("memmove", label="peer-b")
+    transport.connect("peer", other.metadata())
+    other.close()
     local = np.array([dst.ctypes.data + 8], dtype=np.uint64)
     remote = np.array([src.ctypes.data + 16], dtype=np.uint64)
     transport.transfer(TransferOp.READ, "peer", local, remote, np.array([32], dtype=np.uint64))

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from kvbridge.core.transport import Fence
-from tests.transports.conformance import (
+from kvbridge.testing import (
     WRITE,
     MiB,
     TransportConformance,
     assert_same_bytes,
     at,
+    random_bytes,
 )
-from tests.transports.peer import random_bytes
 
 
 class TestMooncake(TransportConformance):

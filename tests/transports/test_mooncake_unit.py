@@ -1,7 +1,8 @@
 """Mooncake transport logic against a fake engine: pacing, retries, deadlines, messages.
 
-The conformance suite (``test_mooncake.py``) covers the real engine between processes; these
-tests pin down what is hard to provoke there, in milliseconds and without the engine installed.
+The conformance suite (``kvbridge.testing``, run by ``test_mooncake.py``) covers the real engine
+between processes; these tests pin down what is hard to provoke there, in milliseconds and without
+the engine installed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvbridge.core.errors import (
     TransportError,
     TransportUnavailableError,
 )
-from kvbridge.core.transport import MemoryRange, TransferOp, TransferState
+from kvbridge.core.transport import MemoryRange, TransferOp, TransferState, TransportMetadata
 from kvbridge.transports.mooncake import transport as mc
 from kvbridge.transports.mooncake.transport import MooncakeMetadata, MooncakeTransport
 
@@ -128,8 +129,9 @@ def make(engine: FakeEngine) -> Any:
         t.close()
 
 
-def _meta(session: str, protocol: str = "tcp", version: int = 1) -> bytes:
-    return msgspec.msgpack.encode(MooncakeMetadata(version, session, protocol))
+def _meta(session: str, protocol: str = "tcp", version: int = 2, name: str = "mooncake") -> bytes:
+    payload = msgspec.msgpack.encode(MooncakeMetadata(session, protocol))
+    return msgspec.msgpack.encode(TransportMetadata(name, version, payload))
 
 
 def _descs(n: int, length: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,7 +146,9 @@ def test_engine_setup_and_metadata(make: Any, engine: FakeEngine) -> None:
     assert engine.env_timeout == "5"  # the engine's minimum, set while it was built
     assert os.environ.get("MC_TRANSFER_TIMEOUT") == before  # and restored after
     assert engine.init_args == ("10.0.0.7", "P2PHANDSHAKE", "tcp", "")
-    meta = msgspec.msgpack.decode(t.metadata(), type=MooncakeMetadata)
+    envelope = msgspec.msgpack.decode(t.metadata(), type=TransportMetadata)
+    assert (envelope.transport, envelope.version) == ("mooncake", 2)
+    meta = msgspec.msgpack.decode(envelope.payload, type=MooncakeMetadata)
     assert meta.session == "10.0.0.7:15000" and meta.protocol == "tcp"
     assert t.limits.max_batch == 1024
 
@@ -153,13 +157,13 @@ def test_engine_setup_and_metadata(make: Any, engine: FakeEngine) -> None:
 @pytest.mark.parametrize(
     ("metadata", "match"),
     [
-        (b"", "not Mooncake transport metadata"),
-        (b"\x92\x01\x02", "not Mooncake transport metadata"),
-        (msgspec.msgpack.encode({"session": "h:1"}), "not Mooncake transport metadata"),
-        (msgspec.msgpack.encode({"type": "kvbridge.nixl", "agent": "x"}), "not Mooncake"),
+        (b"", "not kvbridge transport metadata"),
+        (b"\x92\x01\x02", "not kvbridge transport metadata"),
+        (msgspec.msgpack.encode({"session": "h:1"}), "not kvbridge transport metadata"),
+        (_meta("127.0.0.1:1", name="nixl"), "sent 'nixl' transport metadata"),
         (_meta("127.0.0.1:1", protocol="rdma"), "protocol 'rdma'"),
         (_meta("127.0.0.1:1", version=9), "version 9"),
-        (_meta(""), "not Mooncake transport metadata"),
+        (_meta(""), "not mooncake transport metadata"),
     ],
 )
 def test_bad_metadata(make: Any, metadata: bytes, match: str) -> None:

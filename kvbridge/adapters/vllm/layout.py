@@ -242,12 +242,3 @@ def build_layout_spec(
     # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
     dtype = next(iter(paged_dtypes or dtypes), "bfloat16")
     return LayoutSpec(groups=groups, tensors=tensors, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
-
-
-def state_group_indices(kv_cache_config: Any) -> list[int]:
-    """Indices of the groups holding recurrent state (Mamba, GDN)."""
-    return [
-        i
-        for i, g in enumerate(kv_cache_config.kv_cache_groups)
-        if group_kind(g.kv_cache_spec) is GroupKind.STATE
-    ]

@@ -1,5 +1,5 @@
 """Mooncake Transfer Engine transport (entry point ``mooncake``)."""
 
-from kvbridge.transports.mooncake.transport import MooncakeHandle, MooncakeTransport
+from kvbridge.transports.mooncake.transport import MooncakeMetadata, MooncakeTransport
 
-__all__ = ["MooncakeHandle", "MooncakeTransport"]
+__all__ = ["MooncakeMetadata", "MooncakeTransport"]

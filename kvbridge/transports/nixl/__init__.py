@@ -2,10 +2,9 @@
 
 from kvbridge.transports.nixl.transport import (
     INSTALL_COMMAND,
-    NixlHandle,
     NixlMetadata,
     NixlTransport,
     exit_cleanly,
 )
 
-__all__ = ["INSTALL_COMMAND", "NixlHandle", "NixlMetadata", "NixlTransport", "exit_cleanly"]
+__all__ = ["INSTALL_COMMAND", "NixlMetadata", "NixlTransport", "exit_cleanly"]

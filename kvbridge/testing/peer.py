@@ -1,13 +1,15 @@
 """A transport peer in its own OS process, driven by the conformance suite.
 
-Run as ``python -m tests.transports.peer --transport NAME --options JSON --size BYTES``. The peer
+Run as ``python -m kvbridge.testing.peer --transport NAME --options JSON --size BYTES``. The peer
 creates the transport, allocates and registers one buffer, then answers JSON commands, one per
 line on stdin, with one JSON line each on its original stdout (fd 1 itself is pointed at stderr,
 so nothing an engine prints can corrupt the replies). It exits when stdin closes and, on Linux,
 when the process that started it dies, so a crashed test run leaves no orphans.
 
 ``PeerProcess`` is the test side: it starts a peer, sends commands with a timeout and always
-reaps the process (``close``), continuing a stopped one first.
+reaps the process (``close``), continuing a stopped one first. The peer is started with the test
+process's interpreter and environment, in its working directory; it needs only kvbridge and the
+transport's entry point installed there.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from tests.reply_stream import take_stdout
-
-ROOT = Path(__file__).resolve().parents[2]
+from kvbridge.testing.reply_stream import take_stdout
 
 
 def random_bytes(seed: int, size: int) -> np.ndarray:
     """``size`` random bytes from ``seed``, the same in every process."""
-    return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8).copy()
+    data = np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8)
+    copy: np.ndarray = data.copy()
+    return copy
 
 
 # -- peer process ---------------------------------------------------------------------------------
@@ -188,7 +190,7 @@ class PeerProcess:
             [
                 sys.executable,
                 "-m",
-                "tests.transports.peer",
+                "kvbridge.testing.peer",
                 "--transport",
                 transport,
                 "--options",
@@ -198,7 +200,6 @@ class PeerProcess:
                 "--device",
                 device,
             ],
-            cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -277,6 +278,15 @@ class PeerProcess:
         if self.alive:
             self.proc.kill()
         self.proc.wait(30)
+
+    @property
+    def stopped(self) -> bool | None:
+        """Whether the process is stopped (``freeze``) now; None where ``/proc`` cannot tell."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return None
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
     def freeze(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)

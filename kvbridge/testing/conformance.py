@@ -1,14 +1,55 @@
 """The conformance suite every transport must pass, written once (fsspec abstract-test style).
 
-A transport's test module subclasses ``TransportConformance`` and sets only its entry-point
-``name`` and option dicts; the suite supplies the tests. Everything here goes through
-``kvbridge.load_transport`` and the ``Transport`` API, never through an engine.
+For a transport plugin author: install ``kvbridge[testing]`` (pytest and pytest-timeout) and your
+package, whose ``kvbridge.transports`` entry point names the transport, then write in your own
+tests, e.g. ``tests/test_conformance.py``::
 
-The test process is one agent; peers are real OS processes on 127.0.0.1 (``peer.py``). Data is
-random bytes from known seeds, so the suite keeps the exact expected contents of every buffer and
-compares whole buffers byte for byte: a wrong byte anywhere, also outside the transferred ranges,
-fails.
+    from typing import Any, ClassVar
+
+    from kvbridge.testing import Capabilities, TransportConformance
+
+
+    class TestMyTransport(TransportConformance):
+        # the entry-point name: kvbridge.load_transport(name, **options) must build it
+        name = "mytransport"
+        # options for every ordinary case (the suite's agent and its peer processes)
+        options: ClassVar[dict[str, Any]] = {"timeout": 30}
+        # options for the fault cases (dead, killed, frozen peers): a short ``timeout`` keeps
+        # them fast; each fault must surface within ``timeout + fault_margin`` seconds
+        fault_options: ClassVar[dict[str, Any]] = {"timeout": 8}
+        # what the transport cannot do, declared; the defaults are the strict behaviour
+        capabilities: ClassVar[Capabilities] = Capabilities(
+            frozen_peer_stalls=True, first_contact_stalls=True
+        )
+        # bytes of every buffer, local and in each peer; 64 MiB or more (the cases place fixed
+        # ranges and descriptor sets sized for 64 MiB)
+        buffer_size: ClassVar[int] = 64 * MiB
+
+and run ``pytest``. Only ``name`` is required; every other attribute has the default shown above
+(``options`` defaults to ``{}``). A test that does not apply to your transport is declared through
+``capabilities``, never skipped: the test then checks the other behaviour instead (see
+``Capabilities``). Test methods can be overridden like any pytest method, e.g. to add a marker.
+The tests skip, with the reason, only where the transport's engine is not installed
+(``TransportUnavailableError`` from ``check_available``) or, for ``test_gpu_memory``, where torch
+sees no CUDA GPU. Transport-specific tests go in the same class; they can use the fixtures
+``make_agent``, ``spawn_peer`` and ``peer_bytes`` and the helpers exported by ``kvbridge.testing``.
+The suite passes descriptor arrays to ``submit``/``transfer`` also as plain lists: coerce them
+with ``kvbridge.core.transport.prepare_batch``, as kvbridge's transports do.
+The ``kvbridge`` pytest plugin (installed with kvbridge) prints how long each injected fault took
+to surface after the run.
+
+Everything here goes through ``kvbridge.load_transport`` and the ``Transport`` API, never through
+an engine. The test process is one agent; peers are real OS processes on 127.0.0.1
+(``python -m kvbridge.testing.peer``, see ``peer.py``), started with the test's interpreter and
+environment, so the transport must load there as it does in the test. Data is random bytes from
+known seeds, so the suite keeps the exact expected contents of every buffer and compares whole
+buffers byte for byte: a wrong byte anywhere, also outside the transferred ranges, fails.
 """
+
+# The suite passes descriptor arrays also as plain lists, on purpose: a transport's ``submit``
+# must take any sequence (``kvbridge.core.transport.prepare_batch`` coerces them), wider than the
+# ``AddrArray`` annotation of the contract.
+# mypy: disable-error-code="arg-type"
 
 from __future__ import annotations
 
@@ -40,7 +81,7 @@ from kvbridge.core.transport import (
     TransferState,
     Transport,
 )
-from tests.transports.peer import PeerProcess, random_bytes
+from kvbridge.testing.peer import PeerProcess, random_bytes
 
 MiB = 1 << 20
 WRITE, READ = TransferOp.WRITE, TransferOp.READ
@@ -63,12 +104,20 @@ class Agent:
         return int(self.buf.ctypes.data)
 
     def at(self, offsets: Any) -> np.ndarray:
-        return np.asarray(offsets, dtype=U64) + U64(self.addr)
+        addrs: np.ndarray = np.asarray(offsets, dtype=U64) + U64(self.addr)
+        return addrs
+
+
+#: The suite's fixtures, as test methods (also a subclass's own) receive them.
+MakeAgent = Callable[..., Agent]
+SpawnPeer = Callable[..., PeerProcess]
+PeerBytes = Callable[[PeerProcess], np.ndarray]
 
 
 def at(peer: PeerProcess, offsets: Any) -> np.ndarray:
     """Absolute addresses in a peer's buffer."""
-    return np.asarray(offsets, dtype=U64) + U64(peer.addr)
+    addrs: np.ndarray = np.asarray(offsets, dtype=U64) + U64(peer.addr)
+    return addrs
 
 
 def copy_ranges(dst: np.ndarray, dst_off: Any, src: np.ndarray, src_off: Any, lengths: Any) -> None:
@@ -106,9 +155,10 @@ def assert_same_bytes(actual: np.ndarray, expected: np.ndarray, what: str) -> No
     bad = np.flatnonzero(actual != expected)
     if bad.size:
         first = int(bad[0])
+        got, want = actual[first : first + 8].tolist(), expected[first : first + 8].tolist()
         pytest.fail(
             f"{what}: {bad.size} bytes differ, first at offset {first:#x} "
-            f"(got {actual[first : first + 8].tolist()}, expected {expected[first : first + 8].tolist()})"
+            f"(got {got}, expected {want})"
         )
 
 
@@ -117,8 +167,29 @@ def record_fault(name: str, case: str, elapsed: float, limit: float) -> None:
     assert elapsed < limit, f"{case}: the error took {elapsed:.2f} s, more than {limit:.1f} s"
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport declares it does differently; the defaults are the strict behaviour.
+
+    A flag set to False does not skip the affected test: the test asserts the declared behaviour
+    instead, so a transport that does not do what it declares still fails.
+    """
+
+    #: True: a transfer to a stopped (SIGSTOPped) peer stalls and fails within the timeout
+    #: (``test_peer_frozen``). False: the data path does not need the peer's process to run (a
+    #: kernel copy such as UCX's ``cma``/``process_vm_writev``, or RDMA into pinned memory), so
+    #: the transfer to the stopped peer completes, within the timeout, and its bytes are exact.
+    frozen_peer_stalls: bool = True
+    #: True: the first transfer to a peer that was stopped before any contact stalls and fails
+    #: within the timeout (``test_peer_frozen_before_first_contact``): the engine's connection
+    #: setup needs the peer to run (UCX's wire-up, also when its data path is ``cma``). False: no
+    #: connection is set up (kernel copies), so that batch completes with exact bytes.
+    first_contact_stalls: bool = True
+
+
 class TransportConformance:
-    """All conformance tests. Subclasses set ``name`` and may override the option dicts."""
+    """All conformance tests. Subclasses set ``name`` and may override the option dicts,
+    ``capabilities`` and ``buffer_size`` (see the module's docstring)."""
 
     #: entry-point name of the transport under test
     name: ClassVar[str] = ""
@@ -130,6 +201,8 @@ class TransportConformance:
     fault_margin: ClassVar[float] = 5.0
     #: size of every buffer (local and peers)
     buffer_size: ClassVar[int] = 64 * MiB
+    #: what the transport declares it does differently (see ``Capabilities``)
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -146,7 +219,7 @@ class TransportConformance:
             pytest.skip(str(err))
 
     @pytest.fixture
-    def make_agent(self) -> Iterator[Callable[..., Agent]]:
+    def make_agent(self) -> Iterator[MakeAgent]:
         """Factory of local agents; every transport made is closed at teardown."""
         made: list[Transport] = []
 
@@ -164,9 +237,7 @@ class TransportConformance:
             transport.close()
 
     @pytest.fixture
-    def spawn_peer(
-        self, make_agent: Callable[..., Agent], tmp_path: Path
-    ) -> Iterator[Callable[..., PeerProcess]]:
+    def spawn_peer(self, make_agent: MakeAgent, tmp_path: Path) -> Iterator[SpawnPeer]:
         """Factory of peer processes, reaped at teardown (before local agents are closed)."""
         peers: list[PeerProcess] = []
         count = itertools.count()
@@ -191,7 +262,7 @@ class TransportConformance:
             peer.close()
 
     @pytest.fixture
-    def peer_bytes(self, tmp_path: Path) -> Callable[[PeerProcess], np.ndarray]:
+    def peer_bytes(self, tmp_path: Path) -> PeerBytes:
         """Read a peer's whole buffer (through a file, so 64 MiB is cheap)."""
         count = itertools.count()
 
@@ -207,7 +278,9 @@ class TransportConformance:
     # -- data movement ------------------------------------------------------------------------
 
     @pytest.mark.timeout(60)
-    def test_write_then_read(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_write_then_read(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent()
         peer = spawn_peer(seed=1)
         agent.transport.connect("p", peer.metadata)
@@ -230,7 +303,9 @@ class TransportConformance:
         assert_same_bytes(agent.buf, before, "local buffer after read")
 
     @pytest.mark.timeout(60)
-    def test_large_region(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_large_region(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent()
         peer = spawn_peer(seed=3)
         agent.transport.connect("p", peer.metadata)
@@ -244,7 +319,9 @@ class TransportConformance:
         assert_same_bytes(agent.buf, random_bytes(5, size), "local buffer after whole read")
 
     @pytest.mark.timeout(90)
-    def test_scattered_small_descriptors(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_scattered_small_descriptors(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent()
         peer = spawn_peer(seed=6)
         agent.transport.connect("p", peer.metadata)
@@ -264,7 +341,9 @@ class TransportConformance:
         assert_same_bytes(agent.buf, reference, "local buffer after 5000 scattered reads")
 
     @pytest.mark.timeout(90)
-    def test_batch_far_above_engine_queue(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_batch_far_above_engine_queue(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         """20000 descriptors in one submit: the transport must split and pace them itself."""
         agent = make_agent()
         peer = spawn_peer(seed=9)
@@ -284,7 +363,7 @@ class TransportConformance:
         assert_same_bytes(agent.buf, reference, "local buffer after 20000 reads")
 
     @pytest.mark.timeout(30)
-    def test_empty_batch(self, make_agent, spawn_peer) -> None:
+    def test_empty_batch(self, make_agent: MakeAgent, spawn_peer: SpawnPeer) -> None:
         agent = make_agent()
         peer = spawn_peer()
         agent.transport.connect("p", peer.metadata)
@@ -297,7 +376,9 @@ class TransportConformance:
         agent.transport.transfer(WRITE, "p", [], [], [])
 
     @pytest.mark.timeout(90)
-    def test_many_in_flight_to_one_peer(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_many_in_flight_to_one_peer(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent()
         peer = spawn_peer(seed=12)
         agent.transport.connect("p", peer.metadata)
@@ -327,7 +408,9 @@ class TransportConformance:
         assert_same_bytes(agent.buf, reference, "local buffer after concurrent reads")
 
     @pytest.mark.timeout(90)
-    def test_in_flight_to_two_peers(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_in_flight_to_two_peers(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent()
         peers = {"a": spawn_peer(seed=15), "b": spawn_peer(seed=16)}
         expected = {
@@ -364,7 +447,9 @@ class TransportConformance:
         assert_same_bytes(agent.buf, reference, "local buffer after reads from two peers")
 
     @pytest.mark.timeout(60)
-    def test_peer_initiated_transfers(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_peer_initiated_transfers(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         """The other direction: a peer connects with this agent's metadata and moves bytes."""
         agent = make_agent()
         agent.buf[:] = random_bytes(19, agent.buf.size)
@@ -399,7 +484,9 @@ class TransportConformance:
         assert_same_bytes(peer_bytes(peer), expected, "peer buffer after its read")
 
     @pytest.mark.timeout(120)
-    def test_gpu_memory(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_gpu_memory(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         """CUDA tensors on both sides (runs where torch sees a CUDA GPU)."""
         try:
             import torch
@@ -408,11 +495,17 @@ class TransportConformance:
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         agent = make_agent()
-        if MemoryKind.VRAM not in agent.transport.limits.memory_kinds:
-            pytest.skip(f"this build of the {self.name} transport cannot move GPU memory")
         size = self.buffer_size
         local = torch.from_numpy(random_bytes(21, size)).to("cuda:0")
         torch.cuda.synchronize()
+        if MemoryKind.VRAM not in agent.transport.limits.memory_kinds:
+            # Declared through ``limits``: this build moves host memory only, and says so.
+            vram = MemoryRange(
+                int(local.data_ptr()), size, MemoryKind.VRAM, local.device.index or 0
+            )
+            with pytest.raises(RegistrationError):
+                agent.transport.register([vram])
+            return
         agent.transport.register(
             [MemoryRange(int(local.data_ptr()), size, MemoryKind.VRAM, local.device.index or 0)]
         )
@@ -436,7 +529,9 @@ class TransportConformance:
     # -- registration and peers ---------------------------------------------------------------
 
     @pytest.mark.timeout(60)
-    def test_registration(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_registration(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent()
         peer = spawn_peer(seed=24)
         agent.transport.connect("p", peer.metadata)
@@ -464,7 +559,7 @@ class TransportConformance:
 
     @pytest.mark.timeout(60)
     def test_remote_range_outside_peer_registration(
-        self, make_agent, spawn_peer, peer_bytes
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
     ) -> None:
         agent = make_agent(self.fault_options)
         peer = spawn_peer(seed=25)
@@ -490,7 +585,7 @@ class TransportConformance:
         assert_same_bytes(peer_bytes(peer), expected, "peer buffer after refused transfers")
 
     @pytest.mark.timeout(30)
-    def test_unknown_peer_and_bad_metadata(self, make_agent) -> None:
+    def test_unknown_peer_and_bad_metadata(self, make_agent: MakeAgent) -> None:
         agent = make_agent()
         with pytest.raises(PeerError, match="nobody"):
             agent.transport.submit(WRITE, "nobody", agent.at([0]), [0], [16])
@@ -499,7 +594,9 @@ class TransportConformance:
                 agent.transport.connect("p", junk)
 
     @pytest.mark.timeout(90)
-    def test_disconnect_reconnect_restarted_peer(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_disconnect_reconnect_restarted_peer(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent()
         agent.buf[:] = random_bytes(27, agent.buf.size)
         first = spawn_peer(seed=28)
@@ -528,13 +625,15 @@ class TransportConformance:
         assert_same_bytes(peer_bytes(second), second_expected, "the replaced peer's buffer")
 
     @pytest.mark.timeout(60)
-    def test_close_releases_everything(self, make_agent, spawn_peer) -> None:
+    def test_close_releases_everything(self, make_agent: MakeAgent, spawn_peer: SpawnPeer) -> None:
         agent = make_agent()
         peer = spawn_peer(options=self.fault_options, seed=31)
         agent.transport.connect("p", peer.metadata)
         metadata = base64.b64encode(agent.transport.metadata()).decode()
         peer.call(cmd="connect", peer="test", metadata=metadata)
-        write = dict(cmd="transfer", op="write", peer="test", local=[0], lengths=[4096])
+        write: dict[str, Any] = dict(
+            cmd="transfer", op="write", peer="test", local=[0], lengths=[4096]
+        )
         peer.call(remote=agent.at([0]).tolist(), **write)  # reaches us while open
 
         agent.transport.close()
@@ -558,9 +657,7 @@ class TransportConformance:
 
     # -- faults -------------------------------------------------------------------------------
 
-    def _still_works(
-        self, agent: Agent, spawn_peer: Callable[..., PeerProcess], peer_bytes
-    ) -> None:
+    def _still_works(self, agent: Agent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes) -> None:
         """The transport keeps working with another peer."""
         other = spawn_peer(seed=40)
         agent.transport.connect("other", other.metadata)
@@ -571,7 +668,9 @@ class TransportConformance:
         assert_same_bytes(peer_bytes(other), expected, "another peer after a fault")
 
     @pytest.mark.timeout(60)
-    def test_peer_exited(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_peer_exited(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent(self.fault_options)
         peer = spawn_peer()
         agent.transport.connect("p", peer.metadata)
@@ -588,7 +687,9 @@ class TransportConformance:
         self._still_works(agent, spawn_peer, peer_bytes)
 
     @pytest.mark.timeout(60)
-    def test_peer_killed_mid_transfer(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_peer_killed_mid_transfer(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
         agent = make_agent(self.fault_options)
         peer = spawn_peer()
         agent.transport.connect("p", peer.metadata)
@@ -609,8 +710,16 @@ class TransportConformance:
         self._still_works(agent, spawn_peer, peer_bytes)
 
     @pytest.mark.timeout(90)
-    def test_peer_frozen(self, make_agent, spawn_peer, peer_bytes) -> None:
-        """A stopped peer (SIGSTOP) fails the batch within the timeout; others keep working."""
+    def test_peer_frozen(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
+        """A stopped peer (SIGSTOP) fails the batch within the timeout; others keep working.
+
+        With ``capabilities.frozen_peer_stalls`` False the batch to the stopped peer must instead
+        complete, while the peer is still stopped and within the timeout, with exact bytes."""
+        if not self.capabilities.frozen_peer_stalls:
+            self._frozen_peer_completes(make_agent, spawn_peer, peer_bytes)
+            return
         agent = make_agent(self.fault_options)
         frozen = spawn_peer()
         agent.transport.connect("p", frozen.metadata)
@@ -631,8 +740,48 @@ class TransportConformance:
         frozen.kill()
         self._still_works(agent, spawn_peer, peer_bytes)
 
+    def _frozen_peer_completes(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
+        """``test_peer_frozen`` for a transport whose data path does not stall on a stopped peer."""
+        agent = make_agent(self.fault_options)
+        frozen = spawn_peer(seed=42)
+        agent.transport.connect("p", frozen.metadata)
+        agent.buf[: 12 * MiB] = random_bytes(43, 12 * MiB)
+        expected = random_bytes(42, frozen.size)
+        agent.transport.transfer(WRITE, "p", agent.at([0]), at(frozen, [0]), [MiB])
+        copy_ranges(expected, [0], agent.buf, [0], [MiB])
+        frozen.freeze()
+        start = time.monotonic()
+        local, remote = [4 * MiB], [16 * MiB + 3]  # _still_works uses the first 2 MiB
+        handle = agent.transport.submit(WRITE, "p", agent.at(local), at(frozen, remote), [8 * MiB])
+        t0 = time.monotonic()
+        assert agent.transport.poll(handle).state in (TransferState.PENDING, TransferState.DONE)
+        assert time.monotonic() - t0 < 0.5, "poll blocked on a frozen peer"
+
+        self._still_works(agent, spawn_peer, peer_bytes)  # while the frozen batch is in flight
+        agent.transport.wait(handle)  # declared: completes although the peer is stopped
+        elapsed = time.monotonic() - start
+        limit = agent.transport.timeout + self.fault_margin
+        assert elapsed < limit, f"the batch to a frozen peer took {elapsed:.2f} s"
+        assert agent.transport.poll(handle).state is TransferState.DONE
+        assert frozen.stopped is not False, "the peer ran again before its batch completed"
+        copy_ranges(expected, remote, agent.buf, local, [8 * MiB])
+        frozen.thaw()
+        assert_same_bytes(peer_bytes(frozen), expected, "the frozen peer's buffer")
+        frozen.kill()
+        self._still_works(agent, spawn_peer, peer_bytes)
+
     @pytest.mark.timeout(90)
-    def test_peer_frozen_before_first_contact(self, make_agent, spawn_peer, peer_bytes) -> None:
+    def test_peer_frozen_before_first_contact(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
+        """A peer stopped before the first transfer: connect and submit return at once, the batch
+        fails within the timeout and others keep working (or, with
+        ``capabilities.first_contact_stalls`` False, completes into the stopped peer)."""
+        if not self.capabilities.first_contact_stalls:
+            self._first_contact_completes(make_agent, spawn_peer, peer_bytes)
+            return
         agent = make_agent(self.fault_options)
         frozen = spawn_peer()
         frozen.freeze()
@@ -649,6 +798,30 @@ class TransportConformance:
         )
         frozen.kill()
         self._still_works(agent, spawn_peer, peer_bytes)
+
+    def _first_contact_completes(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
+        agent = make_agent(self.fault_options)
+        frozen = spawn_peer(seed=44)
+        frozen.freeze()
+        agent.buf[:MiB] = random_bytes(45, MiB)
+        for _ in range(200):  # SIGSTOP takes effect once the peer is scheduled (a loaded host)
+            if frozen.stopped is not False:
+                break
+            time.sleep(0.025)
+        start = time.monotonic()
+        agent.transport.connect("p", frozen.metadata)
+        handle = agent.transport.submit(WRITE, "p", agent.at([0]), at(frozen, [MiB]), [MiB])
+        assert time.monotonic() - start < 1.0, "connect/submit blocked on a frozen peer"
+        agent.transport.wait(handle)  # declared: completes although the peer never ran
+        limit = agent.transport.timeout + self.fault_margin
+        assert time.monotonic() - start < limit
+        assert frozen.stopped is not False, "the peer ran again before its batch completed"
+        frozen.thaw()
+        expected = random_bytes(44, frozen.size)
+        copy_ranges(expected, [MiB], agent.buf, [0], [MiB])
+        assert_same_bytes(peer_bytes(frozen), expected, "the frozen peer's buffer")
 
     # -- fences -------------------------------------------------------------------------------
 
@@ -667,7 +840,9 @@ class TransportConformance:
 
     @pytest.mark.timeout(120)
     @pytest.mark.parametrize("op", [WRITE, READ], ids=["write", "read"])
-    def test_nothing_lands_after_the_fence(self, make_agent, spawn_peer, peer_bytes, op) -> None:
+    def test_nothing_lands_after_the_fence(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes, op: TransferOp
+    ) -> None:
         """A batch given up while the peer is frozen: once fenced, no byte of it lands."""
         agent = make_agent(self.fault_options)
         peer = spawn_peer(seed=11)

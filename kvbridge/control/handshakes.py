@@ -1,0 +1,151 @@
+"""Peer handshakes: exchanging layouts and transport metadata, and the side-channel clients.
+
+Either side answers a handshake (it learns the peer's layout and connects its transport to the
+peer's); D starts one before its first transfer with a P, and again when that P restarted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvbridge.control.channel import PeerClient
+from kvbridge.control.messages import Handshake
+from kvbridge.control.requests import RequestStats, TransferParams, timed
+from kvbridge.core.compat import check_compatible
+from kvbridge.core.errors import ControlError, KvbridgeError, LayoutMismatchError, MessageError
+from kvbridge.core.layout import Layout
+
+if TYPE_CHECKING:
+    from kvbridge.control.plane import ControlPlane
+
+
+@dataclass
+class RemoteEngine:
+    """What a handshake taught us about another engine."""
+
+    engine_id: str
+    layout: Layout
+    endpoint: str
+
+
+class Handshakes:
+    """The engines this one handshook with, either way, and one side-channel client per peer."""
+
+    def __init__(self, plane: ControlPlane, secret: bytes | None) -> None:
+        self._plane = plane
+        self._lock = plane._lock
+        self._secret = secret
+        self._metadata = plane.transport.metadata()
+        self._remotes: dict[str, RemoteEngine] = {}  # by engine id (peers that handshook us)
+        self._by_endpoint: dict[str, RemoteEngine] = {}  # engines we handshook, by endpoint
+        self._clients: dict[str, PeerClient] = {}
+        self._handshake_gates: dict[str, threading.Lock] = {}
+
+    def peer(self, engine_id: str) -> RemoteEngine | None:
+        """The engine that handshook us under ``engine_id``, if any."""
+        with self._lock:
+            return self._remotes.get(engine_id)
+
+    def at(self, endpoint: str) -> RemoteEngine | None:
+        """The engine we last handshook at ``endpoint``, if any."""
+        with self._lock:
+            return self._by_endpoint.get(endpoint)
+
+    def client(self, endpoint: str) -> PeerClient:
+        """The side-channel client for ``endpoint`` (one per peer, kept until ``close``)."""
+        with self._lock:
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = PeerClient(endpoint, self._plane.engine_id, secret=self._secret,
+                                    timeout=self._plane.timeout)  # fmt: skip
+                self._clients[endpoint] = client
+            return client
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    # -- answering a peer -------------------------------------------------------------------------
+    def answer(self, body: Handshake) -> Handshake:
+        """Check a peer's handshake, connect the transport to it, and answer with ours."""
+        plane = self._plane
+        try:
+            remote = Layout(body.layout)
+        except KvbridgeError as err:
+            raise MessageError("layout", f"invalid layout from {body.engine_id}: {err}") from None
+        try:
+            check_compatible(plane.layout, remote, ("this engine", "peer"))
+        except LayoutMismatchError as err:
+            raise MessageError("layout_mismatch", str(err)) from None
+        if body.transport != plane.transport.name:
+            raise MessageError(
+                "transport_mismatch",
+                f"peer uses transport {body.transport!r}, this engine {plane.transport.name!r}",
+            )
+        plane.transport.connect(body.engine_id, body.metadata)
+        with self._lock:
+            self._remotes[body.engine_id] = RemoteEngine(body.engine_id, remote, body.endpoint)
+        return self._own()
+
+    def _own(self) -> Handshake:
+        plane = self._plane
+        return Handshake(
+            plane.engine_id, plane.layout.spec, plane.transport.name, self._metadata,
+            plane.endpoint,
+        )  # fmt: skip
+
+    # -- handshaking a prefill engine (D) ---------------------------------------------------------
+    def remote_for(self, params: TransferParams, stats: RequestStats) -> RemoteEngine:
+        """The handshake with P, cached; redone when P restarted (a new engine id)."""
+        with self._lock:
+            gate = self._handshake_gates.setdefault(params.endpoint, threading.Lock())
+        # One handshake per remote engine at a time: requests arriving together wait for it
+        # instead of each reconnecting the transport under the others' transfers. Waiting for
+        # another request's handshake counts as this one's handshake time.
+        with timed(stats, "handshake_s"), gate:
+            remote = self.at(params.endpoint)
+            if remote is not None and remote.engine_id == params.engine_id:
+                return remote
+            return self._handshake(params)
+
+    def _handshake(self, params: TransferParams) -> RemoteEngine:
+        plane = self._plane
+        deadline = time.monotonic() + plane.handshake_timeout
+        delay = 0.05
+        while True:
+            try:
+                client = self.client(params.endpoint)
+                reply = client.request(self._own(), min(plane.timeout, max(
+                    0.1, deadline - time.monotonic())))  # fmt: skip
+                break
+            except ControlError:
+                raise  # refused (auth, layout): retrying cannot help
+            except Exception:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        if not isinstance(reply, Handshake):
+            raise ControlError("protocol", f"{params.endpoint} answered a handshake with {reply}")
+        if reply.engine_id != params.engine_id:
+            raise ControlError(
+                "engine_changed",
+                f"{params.endpoint} is engine {reply.engine_id!r}, the request came from "
+                f"{params.engine_id!r} (prefill restarted); the request's blocks are gone",
+            )
+        remote_layout = Layout(reply.layout)
+        check_compatible(remote_layout, plane.layout)
+        if reply.transport != plane.transport.name:
+            raise ControlError("transport_mismatch", f"prefill uses {reply.transport!r}")
+        old = self.at(params.endpoint)
+        if old is not None and old.engine_id != reply.engine_id:
+            plane.transport.disconnect(old.engine_id)  # P restarted: forget the old engine
+        plane.transport.connect(reply.engine_id, reply.metadata)
+        remote = RemoteEngine(reply.engine_id, remote_layout, params.endpoint)
+        with self._lock:
+            self._by_endpoint[params.endpoint] = remote
+        return remote

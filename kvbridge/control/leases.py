@@ -1,0 +1,309 @@
+"""The prefill side (P): leases on published requests' blocks, and the pushes P runs.
+
+P holds a published request's blocks under a lease until D releases them (pull), P's push ended
+(push), D aborted, or the lease expired. A push D asks for before P published is kept until it
+does. How each push ended is remembered a while, so that D can ask again (``PushQuery``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.control.handshakes import Handshakes, RemoteEngine
+from kvbridge.control.messages import (
+    Abort,
+    BlockIds,
+    Digest,
+    DigestRequest,
+    Message,
+    Ok,
+    PullStart,
+    PushDone,
+    PushQuery,
+    PushRequest,
+    Release,
+)
+from kvbridge.control.requests import (
+    Mode,
+    RequestOutcome,
+    RequestStats,
+    TransferParams,
+    checked_ids,
+    forget_expired,
+)
+from kvbridge.control.transfers import Transfers
+from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError
+from kvbridge.core.integrity import Verify, chosen, digest
+from kvbridge.core.planning import plan_transfers
+from kvbridge.core.transport import Fence, TransferHandle, TransferOp
+
+if TYPE_CHECKING:
+    from kvbridge.control.plane import ControlPlane
+
+log = logging.getLogger("kvbridge.control")
+
+
+@dataclass
+class _Lease:
+    """P's hold on a published request's blocks."""
+
+    params: TransferParams
+    expires_at: float
+    puller: str | None = None
+    pushing: bool = False
+    #: P's write in flight (push), released when D aborts
+    handle: TransferHandle | None = None
+    aborted: bool = False
+
+
+class Leases:
+    """P's published requests: leases, D's claims on them, and the pushes P runs for D."""
+
+    def __init__(self, plane: ControlPlane, peers: Handshakes, transfers: Transfers) -> None:
+        self._plane = plane
+        self._peers = peers
+        self._transfers = transfers
+        self._lock = plane._lock
+        self._leases: dict[str, _Lease] = {}
+        # Pushes D asked for before P published: (D, its request, until when).
+        self._pending_push: dict[str, tuple[RemoteEngine, PushRequest, float]] = {}
+        # How finished pushes ended (D may ask again), and requests D withdrew before P saw
+        # them (a late PushRequest or PullStart for them is refused); both until the time given.
+        self._push_results: dict[str, tuple[PushDone, float]] = {}
+        self._withdrawn: dict[str, float] = {}
+
+    def publish(
+        self, request_id: str, block_ids: Mapping[int, Any], num_tokens: int, mode: Mode
+    ) -> TransferParams:
+        """Hold a prefilled request's blocks under a lease; return what D needs to fetch them."""
+        plane = self._plane
+        ids = checked_ids(plane.layout, block_ids, "published")
+        params = TransferParams(
+            request_id, plane.engine_id, plane.endpoint, ids, num_tokens,
+            plane.transport.name, Mode(mode),
+        )  # fmt: skip
+        with self._lock:
+            if request_id in self._leases:
+                raise KvbridgeError(f"request {request_id!r} is already published")
+            lease = _Lease(params, time.monotonic() + plane.lease)
+            self._leases[request_id] = lease
+            pushed = self._pending_push.pop(request_id, None)
+        log.debug("request %s: published (%s)", request_id, "push waiting" if pushed else mode)
+        if pushed is not None:
+            self._start_push(lease, pushed[0], pushed[1])
+        return params
+
+    def unpublish(self, request_id: str) -> None:
+        """Drop a lease without a transfer (the request was aborted on P)."""
+        self._free(request_id, False, "withdrawn by prefill")
+
+    @property
+    def leased(self) -> list[str]:
+        """Request ids whose blocks P still holds."""
+        with self._lock:
+            return list(self._leases)
+
+    def expire(self, now: float) -> None:
+        """Housekeeping: free leases D never released, forget what is remembered too long."""
+        with self._lock:
+            expired = [r for r, lease in self._leases.items()
+                       if lease.expires_at < now and not lease.pushing]  # fmt: skip
+            forget_expired(self._pending_push, now, lambda pushed: pushed[2])
+            forget_expired(self._withdrawn, now, lambda until: until)
+            forget_expired(self._push_results, now, lambda result: result[1])
+        for rid in expired:
+            self._free(rid, False, f"lease of {self._plane.lease:g} s expired before decode "
+                       "released it")  # fmt: skip
+
+    def close(self) -> None:
+        """Free every lease (the plane is closing)."""
+        with self._lock:
+            leases = list(self._leases)
+        for request_id in leases:
+            self._free(request_id, False, "the control plane was closed")
+
+    # -- D's requests -----------------------------------------------------------------------------
+    def on_pull_start(self, peer: str, body: PullStart) -> Message:
+        with self._lock:
+            lease = self._leases.get(body.request_id)
+            if lease is None:
+                raise _unknown(body.request_id)
+            if lease.puller is not None or lease.pushing:
+                raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
+            _require_subset(body.block_ids, lease.params.block_ids, body.request_id)
+            lease.puller = peer
+            # D's read may take its transport's timeout, and its engine as long again to give
+            # the read back: the blocks must outlive both, whatever is left of the lease.
+            lease.expires_at = max(lease.expires_at, time.monotonic() + 2 * self._plane.timeout)
+        return Ok()
+
+    def on_release(self, body: Release) -> Message:
+        if not self._free(body.request_id, body.ok,
+                          "released by decode" if body.ok else body.reason):  # fmt: skip
+            raise _unknown(body.request_id)
+        return Ok()
+
+    def on_digest_request(self, peer: str, body: DigestRequest) -> Message | Future[Message]:
+        with self._lock:
+            lease = self._leases.get(body.request_id)
+            remote = self._peers.peer(peer)
+            if lease is None or lease.puller != peer or remote is None:
+                raise _unknown(body.request_id)
+            src_ids = lease.params.block_ids
+        try:
+            check = Verify(body.verify)
+            plan = plan_transfers(self._plane.layout, remote.layout, src_ids, body.block_ids)
+        except (ValueError, KvbridgeError) as err:
+            raise MessageError("invalid", f"cannot digest {body.request_id!r}: {err}") from None
+        # Hashing a large request takes long: the endpoint answers others meanwhile. P still
+        # holds the blocks: D keeps its claim until it has the digest.
+        which = chosen(plan.count, check, body.request_id)
+        return self._plane._hasher.submit(lambda: Digest(digest(plan.src, plan.lengths, which)))
+
+    def on_abort(self, body: Abort) -> None:
+        rid = body.request_id
+        with self._lock:
+            self._pending_push.pop(rid, None)
+            lease = self._leases.get(rid)
+            if lease is None:
+                if rid not in self._push_results:
+                    self._withdrawn[rid] = time.monotonic() + self._plane.lease
+                return
+            pushing = lease.pushing
+            if pushing:  # the push worker fences its write, then frees and says so
+                lease.aborted = True
+            handle = lease.handle
+        if not pushing:
+            self._free(rid, False, f"aborted by decode: {body.reason}")
+        elif handle is not None:
+            self._plane.transport.release(handle)
+
+    def on_push_query(self, body: PushQuery) -> Message:
+        rid = body.request_id
+        with self._lock:
+            result = self._push_results.get(rid)
+            if result is not None:
+                return result[0]
+            lease = self._leases.get(rid)
+            if rid in self._pending_push or (lease is not None and lease.pushing):
+                return Ok()  # may still write
+        raise _unknown(rid)
+
+    def on_push_request(self, peer: str, body: PushRequest) -> Message:
+        with self._lock:
+            remote = self._peers.peer(peer)
+            if remote is None:
+                raise MessageError("no_handshake", "handshake before requesting a push")
+            if body.request_id in self._withdrawn or body.request_id in self._push_results:
+                raise MessageError(
+                    "withdrawn", f"request {body.request_id!r} was aborted or already pushed"
+                )
+            checked_ids(remote.layout, body.block_ids, "destination")
+            lease = self._leases.get(body.request_id)
+            if lease is None:
+                if body.request_id in self._pending_push:
+                    raise MessageError("duplicate", f"push of {body.request_id!r} requested twice")
+                # P has not finished prefilling yet: write once it publishes.
+                until = time.monotonic() + self._plane.lease
+                self._pending_push[body.request_id] = (remote, body, until)
+                log.debug("request %s: push requested before publish", body.request_id)
+                return Ok()
+            if lease.puller is not None or lease.pushing:
+                raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
+        self._start_push(lease, remote, body)
+        return Ok()
+
+    # -- P's push ---------------------------------------------------------------------------------
+    def _start_push(self, lease: _Lease, remote: RemoteEngine, request: PushRequest) -> None:
+        with self._lock:
+            lease.pushing = True
+        self._plane._executor.submit(self._run_push, lease, remote, request, time.monotonic())
+
+    def _run_push(
+        self, lease: _Lease, remote: RemoteEngine, request: PushRequest, started: float
+    ) -> None:
+        plane, transfers = self._plane, self._transfers
+        rid, block_ids = lease.params.request_id, request.block_ids
+        stats = RequestStats(queued_s=time.monotonic() - started)
+        try:
+            plan = transfers.plan(plane.layout, remote.layout, lease.params.block_ids, block_ids,
+                                  stats)  # fmt: skip
+            transfers.move(TransferOp.WRITE, remote.engine_id, plan, lease, stats)
+            check = Verify(request.verify)
+            value = None
+            if check is not Verify.OFF:
+                value = digest(plan.src, plan.lengths, chosen(plan.count, check, rid))
+            done = PushDone(
+                rid, True, "", stats.nbytes, stats.descriptors, stats.descriptors_before_merge,
+                stats.plan_s, stats.transfer_s, digest=value,
+            )  # fmt: skip
+            ok, reason = True, "pushed to decode"
+        except Exception as err:
+            ok, reason = False, str(err)
+            handle = lease.handle
+            fence = Fence.DRAINED if handle is None else transfers.fence(handle, rid, stats)
+            done = PushDone(rid, False, f"prefill could not push: {err}",
+                            unconfirmed=fence is not Fence.DRAINED)  # fmt: skip
+        with self._lock:
+            self._push_results[rid] = (done, time.monotonic() + plane.lease)
+        # Fenced: the engine reads P's blocks no more, so they may go back now.
+        stats.total_s = time.monotonic() - started
+        self._free(rid, ok, reason, stats)
+        transfers.report_slow("push", rid, stats)
+        plane._fencer.submit(self._deliver, remote.endpoint, done)
+
+    def _deliver(self, endpoint: str, done: PushDone) -> None:
+        """Tell D how the push ended; a few tries, and D asks (``PushQuery``) if all fail."""
+        plane = self._plane
+        for attempt in range(3):
+            try:
+                start = time.monotonic()
+                self._peers.client(endpoint).request(done, plane.timeout)
+                took = time.monotonic() - start
+                log.log(logging.WARNING if took >= plane.slow_after else logging.DEBUG,
+                        "request %s: push end (ok=%s) delivered in %.3f s",
+                        done.request_id, done.ok, took)  # fmt: skip
+                return
+            except PeerRefusedError as err:  # D is gone: nobody to tell
+                log.info("request %s: decode is gone (%s)", done.request_id, err)
+                return
+            except Exception as err:
+                log.warning("request %s: could not tell decode the push ended (try %d): %s",
+                            done.request_id, attempt + 1, err)  # fmt: skip
+            if plane._closed:
+                return
+
+    def _free(
+        self, request_id: str, ok: bool, reason: str, stats: RequestStats | None = None
+    ) -> bool:
+        """End a lease: P's outcome says its blocks may go back. False if it was not held."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            if lease is None:
+                return False
+            self._plane._record(RequestOutcome(request_id, ok, reason, stats or RequestStats()))
+        log.debug("request %s: blocks freed (%s)", request_id, reason)
+        return True
+
+
+def _unknown(request_id: str) -> MessageError:
+    return MessageError(
+        "unknown_request",
+        f"request {request_id!r} is not held here (never published, released, or lease expired)",
+    )
+
+
+def _require_subset(asked: BlockIds, held: BlockIds, request_id: str) -> None:
+    for group, ids in asked.items():
+        extra = set(ids) - set(held.get(group, ()))
+        if extra:
+            raise MessageError(
+                "block_id",
+                f"request {request_id!r} does not own block(s) {sorted(extra)[:8]} "
+                f"of group {group}",
+            )

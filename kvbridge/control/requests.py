@@ -1,0 +1,125 @@
+"""What a request is to the control plane: its transfer parameters, statistics and outcome.
+
+Shared by both sides: P publishes ``TransferParams``, D loads from them, and each side ends the
+request in a ``RequestOutcome`` that carries the ``RequestStats`` of where its time went.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from kvbridge.control.messages import BlockIds
+from kvbridge.core.block_mapping import prepare_block_ids
+from kvbridge.core.errors import KvbridgeError, MessageError
+from kvbridge.core.layout import Layout
+
+_V = TypeVar("_V")
+
+
+class Mode(str, enum.Enum):
+    """Who moves the bytes."""
+
+    PULL = "pull"  # D reads from P, then tells P to release
+    PUSH = "push"  # D sends its block ids, P writes, then tells D it is done
+
+
+class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What P publishes for a request and D needs to fetch it (kv_transfer_params in vLLM)."""
+
+    request_id: str
+    engine_id: str
+    endpoint: str
+    block_ids: BlockIds
+    num_tokens: int
+    transport: str
+    mode: Mode = Mode.PULL
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TransferParams:
+        """Validate params that came back through the serving engine (keys may be strings)."""
+        try:
+            return msgspec.convert(dict(data), cls, strict=False)
+        except msgspec.ValidationError as err:
+            raise MessageError("invalid", f"invalid transfer parameters: {err}") from None
+
+
+@dataclass
+class RequestStats:
+    """Where a request's time went, and what it moved."""
+
+    #: from handing the request to the plane until it ended here (D: the load; P: the push)
+    total_s: float = 0.0
+    #: waiting for a free worker of the plane
+    queued_s: float = 0.0
+    handshake_s: float = 0.0
+    #: D's request to P (pull: ``PullStart``, push: ``PushRequest``) until P answered
+    ask_s: float = 0.0
+    plan_s: float = 0.0
+    transfer_s: float = 0.0
+    nbytes: int = 0
+    descriptors: int = 0
+    descriptors_before_merge: int = 0
+    #: time between giving a transfer up and the fence (no byte of it can still land)
+    fence_s: float = 0.0
+    #: the fence needed the peer's word (the engine gave part of the transfer up blind)
+    unconfirmed: bool = False
+    #: time spent on the integrity check (``verify``), and whether it found a difference
+    verify_s: float = 0.0
+    verify_failed: bool = False
+
+
+@dataclass
+class RequestOutcome:
+    """The definite end of a request on this side."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+@contextlib.contextmanager
+def timed(stats: RequestStats, name: str) -> Iterator[None]:
+    """Record the block's duration in ``stats.<name>``, also when it raised or timed out: that
+    is where a slow request's time went."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        setattr(stats, name, time.monotonic() - start)
+
+
+def checked_ids(layout: Layout, block_ids: Mapping[int, Any], side: str) -> BlockIds:
+    """``block_ids`` as plain ints per group, or ``MessageError`` if ``layout`` cannot hold them."""
+    ids: BlockIds = {}
+    for group, values in block_ids.items():
+        index = int(group)
+        if index not in layout.groups:
+            raise MessageError("block_id", f"{side} block ids name unknown group {index}")
+        arr = np.asarray(values, dtype=np.int64).reshape(-1)
+        try:
+            prepare_block_ids(layout.groups[index], arr, side)
+        except KvbridgeError as err:
+            raise MessageError("block_id", str(err)) from None
+        ids[index] = [int(v) for v in arr]
+    return ids
+
+
+def forget_expired(table: dict[str, _V], now: float, until: Callable[[_V], float]) -> None:
+    """Drop the entries of a table of remembered request ids whose ``until`` time has passed.
+
+    Call with the plane's lock held.
+    """
+    for request_id in [r for r, value in table.items() if until(value) < now]:
+        del table[request_id]
