@@ -175,28 +175,23 @@ NOTES = """\
   blocks, so the plan keeps one descriptor per block and region (1.3 M for 128k tokens of
   Llama-3-70B) and the time is memory traffic, ~20 ns per descriptor.
 - **kvbridge beside the raw engine.** Both run in the same two processes on the same
-  descriptors, in balanced orders. What kvbridge adds is fixed per request: planning (1-2 ms
-  here) and the control plane's two round trips, pull start and release (about 1 ms with
-  Mooncake); for a 256 MiB request over Mooncake that is 1-3 %. On this shared 2-core VM
-  single repetitions vary by up to 2x (see the interquartile bars), so ratios within ~5 % of 1
-  are within noise, and a rerun moves them by that much.
-- **NIXL on two cores.** NIXL's Python `nixl_agent` starts its progress thread with
-  `pthrDelay = 0` (hard-coded), so every process holding an agent keeps a core busy even when
-  idle. With a prefill and a decode process that is both cores of this machine: memcpy in the
-  NIXL processes falls to a fifth to a third of what it reaches in the Mooncake ones; kvbridge's
-  threads, which sleep while they wait (the transport's poll backs off to 2 ms; the control
-  plane hands work between threads and processes), wait for a core each time they wake, while
-  the raw loop spins. Hence NIXL's lower kvbridge/raw ratios and a control plane taking 4-10 ms
-  instead of ~1 ms. Measured once, as an experiment, with the agents' delay set to 100 us
-  (which neither NIXL's Python API nor kvbridge's transport does today): an idle agent's CPU
-  fell from a full core to ~2 %; the raw call moved the Llama and hybrid requests at 4.5 GB/s
-  instead of ~1.8, kvbridge's transfer matched it (100-103 %) and its control plane took
-  1.6 ms. End to end kvbridge then reached 92-95 %: at 60 ms per request, the fixed 3-4 ms of
-  planning and round trips are 6-7 %.
+  descriptors, in balanced orders. What kvbridge adds is fixed per request: planning (about
+  1 ms here; the layouts' compatibility is checked once per peer, not per request) and the
+  control plane's pull start round trip and hand-offs between threads (about 1 ms; D's release
+  goes to P after the load is done, off its path). At ~50-300 ms per 256 MiB request that is
+  1-5 %. On this shared 2-core VM single repetitions vary by up to 2x (see the interquartile
+  bars), so ratios within ~5 % of 1 are within noise, and a rerun moves them by that much.
+- **NIXL's progress thread.** NIXL's Python `nixl_agent` starts its progress thread with
+  `pthrDelay = 0` (hard-coded), a busy loop: every process holding an agent kept a core busy
+  even when idle, which on this machine was both cores (NIXL moved 1-1.7 GB/s, kvbridge's
+  control plane took 4-10 ms). kvbridge's NIXL transport sets the delay (`progress_delay_us`,
+  1000 µs; UCX events still wake the thread at once), and so does the raw baseline: an idle
+  agent uses ~2 % of a core, NIXL moves these requests at 4.5-6 GB/s, and kvbridge's control
+  plane takes ~1 ms as with Mooncake.
 - **memcpy** copies the same descriptors inside one process: the ceiling of this machine's
   memory for that access pattern. Loopback TCP (Mooncake) reaches a fifth to a third of it;
-  UCX's kernel copy between processes (NIXL, `cma`) reaches ~80 % of a memcpy slowed down by
-  the spinning progress threads, and ~78 % of an unhindered one in the experiment above.
+  the kernel copies between processes (NIXL's UCX `cma`, kvbridge's `cma` transport) come
+  close to it.
 """
 
 

@@ -113,17 +113,31 @@ class RawNixl:
     """A NIXL agent with the UCX backend; ``read`` polls ``check_xfer_state`` until done.
 
     UCX's ``efa`` module is left out, as kvbridge's NIXL transport does, because loading it
-    crashes the process at exit on hosts without EFA (PLATFORM.md).
+    crashes the process at exit on hosts without EFA (PLATFORM.md). Its progress thread waits
+    ``PROGRESS_DELAY_US`` for UCX events when idle, as kvbridge's agent does: NIXL's Python API
+    sets no wait (a busy loop), and an idle agent spinning in each benchmark process would take
+    a core from whichever way is being timed.
     """
 
     name: ClassVar[str] = "nixl"
+    PROGRESS_DELAY_US: ClassVar[int] = 1000
 
     def __init__(self) -> None:
         os.environ.setdefault("UCX_MODULES", "^efa")
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import _api
 
         self.agent_name = f"raw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent: Any = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        make = _api.nixlBind.nixlAgent
+
+        def quiet(name: str, config: Any) -> Any:  # the only way to set NIXL's pthrDelay
+            config.pthrDelay = self.PROGRESS_DELAY_US
+            return make(name, config)
+
+        _api.nixlBind.nixlAgent = quiet
+        try:
+            self.agent: Any = _api.nixl_agent(self.agent_name, _api.nixl_agent_config())
+        finally:
+            _api.nixlBind.nixlAgent = make
         self.peer = ""
 
     @staticmethod

@@ -115,12 +115,20 @@ class GroupRegions:
         return [r.key for r in self.regions]
 
     def arrays(self) -> dict[str, npt.NDArray[np.int64]]:
-        """``base`` (base+offset), ``stride`` and ``length`` per region."""
-        return {
+        """``base`` (base+offset), ``stride`` and ``length`` per region (read-only, built once:
+        every request's plan reads them)."""
+        return self._arrays
+
+    @cached_property
+    def _arrays(self) -> dict[str, npt.NDArray[np.int64]]:
+        out = {
             "base": np.array([r.base_addr + r.offset for r in self.regions], dtype=np.int64),
             "stride": np.array([r.stride for r in self.regions], dtype=np.int64),
             "length": np.array([r.length for r in self.regions], dtype=np.int64),
         }
+        for values in out.values():
+            values.flags.writeable = False
+        return out
 
 
 def expand_tensor(tensor: CacheTensor, group: CacheGroup) -> list[Region]:
