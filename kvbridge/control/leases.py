@@ -90,6 +90,12 @@ class Leases:
         with self._lock:
             if request_id in self._leases:
                 raise KvbridgeError(f"request {request_id!r} is already published")
+            if request_id in self._withdrawn:
+                # D gave it up before this engine published it: nobody will read the blocks.
+                reason = "aborted by decode before it was published"
+                plane._record(RequestOutcome(request_id, False, reason, RequestStats()))
+                log.debug("request %s: %s; blocks freed", request_id, reason)
+                return params
             lease = _Lease(params, time.monotonic() + plane.lease)
             self._leases[request_id] = lease
             pushed = self._pending_push.pop(request_id, None)

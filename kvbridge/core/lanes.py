@@ -153,6 +153,9 @@ class Lane:
             h.leave_engine()
             self._fail(chunk, str(err))
             return False
+        except BaseException:  # a bug in the hook: nobody can say what the engine took
+            h.leave_engine(unconfirmed=True)
+            raise
         return True
 
     def _retry_or_fail(self, chunk: Chunk, what: str, retry: bool) -> None:

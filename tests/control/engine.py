@@ -132,6 +132,9 @@ def handle(
                 for o in plane.poll_finished()]  # fmt: skip
     if name == "leased":
         return plane.leased
+    if name == "withdrawn":  # requests D gave up before P published them
+        with plane._lock:
+            return sorted(plane._prefill._withdrawn)
     if name == "pullers":
         with plane._lock:
             return {r: lease.puller for r, lease in plane._prefill._leases.items()}

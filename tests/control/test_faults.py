@@ -113,3 +113,21 @@ def test_decode_aborts_during_transfer(engines, transport):
     p_outcome = wait_for(lambda: freed(p, "cut"), 10)
     assert not p_outcome["ok"] or p_outcome["reason"] == "released by decode"
     assert_nothing_left(p)
+
+
+def test_decode_aborts_before_prefill_publishes(engines, transport):
+    """D gives a request up before P's engine published it (vLLM publishes a step after the
+    prefill): P publishes it later and frees its blocks at once, not at the lease's end."""
+    p = engines("prefill", transport, seed=81, lease=60)
+    d = engines("decode", transport, seed=82)
+    first = publish(p, "first")  # P's engine id and endpoint, as D's params carry them
+    late = {**first, "request_id": "late"}
+    d.call(cmd="abort", params=late, reason="client went away")
+    wait_for(lambda: p.call(cmd="withdrawn") == ["late"], 10)
+    publish(p, "late", seed=3)
+    outcome = wait_for(lambda: freed(p, "late"), 10)
+    assert not outcome["ok"] and "before it was published" in outcome["reason"]
+    assert p.call(cmd="leased") == ["first"]
+    d.call(cmd="pull", params=first, block_ids=BlockAllocator(d.layout, 2).request(200))
+    assert d.call(cmd="wait", request_id="first")["ok"]
+    assert_nothing_left(p)
