@@ -383,8 +383,11 @@ def _summary(
         "reps": len(seconds.get("kvbridge", [])),
         "seconds": seconds,
         "plan_ms": _median([s["plan_seconds"] * 1e3 for s in kv]),
-        # What the control plane adds around planning and the transfer: its two round trips
-        # (pull start, release) and the hand-offs between threads and processes.
+        # kvbridge's own cost per request: everything beyond the engine's transfer (planning,
+        # the round trip to P, which runs while D plans, and hand-offs between threads).
+        "own_ms": _median([(s["seconds"] - s["transfer_seconds"]) * 1e3 for s in kv]),
+        # What the control plane adds beyond planning and the transfer: the pull start round
+        # trip where it outlasts planning, and the hand-offs between threads and processes.
         "control_ms": _median(
             [(s["seconds"] - s["transfer_seconds"] - s["plan_seconds"]) * 1e3 for s in kv]
         ),

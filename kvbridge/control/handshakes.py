@@ -6,9 +6,12 @@ peer's); D starts one before its first transfer with a P, and again when that P 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvbridge.control.channel import PeerClient
@@ -21,6 +24,20 @@ from kvbridge.core.layout import Layout
 if TYPE_CHECKING:
     from kvbridge.control.plane import ControlPlane
 
+log = logging.getLogger("kvbridge.control")
+
+
+def _log_connect_failure(engine_id: str, connecting: Future[None]) -> None:
+    err = None if connecting.cancelled() else connecting.exception()
+    if err is not None:
+        log.warning("could not connect the transport to engine %s: %s", engine_id, err)
+
+
+def _done() -> Future[None]:
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
+
 
 @dataclass
 class RemoteEngine:
@@ -29,6 +46,12 @@ class RemoteEngine:
     engine_id: str
     layout: Layout
     endpoint: str
+    #: the transport's connection to it; an answered handshake connects in the background
+    connected: Future[None] = field(default_factory=_done)
+
+    def wait_connected(self, timeout: float) -> None:
+        """Block until the transport reaches this engine; its connect error, if it failed."""
+        self.connected.result(timeout)
 
 
 class Handshakes:
@@ -86,9 +109,15 @@ class Handshakes:
                 "transport_mismatch",
                 f"peer uses transport {body.transport!r}, this engine {plane.transport.name!r}",
             )
-        plane.transport.connect(body.engine_id, body.metadata)
+        # Only a push needs this side's transport to reach the peer: connect after answering,
+        # so the peer's own connect (tens of ms with NIXL's add_remote_agent) runs meanwhile
+        # instead of after ours. A push waits for it (``wait_connected``).
+        connecting = plane._fencer.submit(plane.transport.connect, body.engine_id, body.metadata)
+        connecting.add_done_callback(partial(_log_connect_failure, body.engine_id))
         with self._lock:
-            self._remotes[body.engine_id] = RemoteEngine(body.engine_id, remote, body.endpoint)
+            self._remotes[body.engine_id] = RemoteEngine(
+                body.engine_id, remote, body.endpoint, connecting
+            )
         return self._own()
 
     def _own(self) -> Handshake:

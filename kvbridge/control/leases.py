@@ -37,7 +37,7 @@ from kvbridge.control.requests import (
     forget_expired,
 )
 from kvbridge.control.transfers import Transfers
-from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError
+from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify, chosen, digest
 from kvbridge.core.planning import plan_transfers
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
@@ -239,6 +239,10 @@ class Leases:
         try:
             plan = transfers.plan(plane.layout, remote.layout, lease.params.block_ids, block_ids,
                                   stats)  # fmt: skip
+            try:
+                remote.wait_connected(plane.timeout)
+            except Exception as err:  # the connect's own error says what is wrong
+                raise TransportError(f"the transport could not reach decode: {err}") from None
             transfers.move(TransferOp.WRITE, remote.engine_id, plan, lease, stats)
             check = Verify(request.verify)
             value = None

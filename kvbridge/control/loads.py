@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -168,10 +169,14 @@ class Loads:
         pending.stats.queued_s = time.monotonic() - pending.started
         try:
             remote = self._peers.remote_for(params, pending.stats)
-            with timed(pending.stats, "ask_s"):
-                self._claim(pending)
-            plan = transfers.plan(remote.layout, plane.layout, params.block_ids,
-                                  pending.block_ids, pending.stats)  # fmt: skip
+            # Ask P (a round trip, or a wait until it published) while planning the read.
+            asked = plane._asker.submit(self._timed_claim, pending)
+            try:
+                plan = transfers.plan(remote.layout, plane.layout, params.block_ids,
+                                      pending.block_ids, pending.stats)  # fmt: skip
+            finally:
+                wait([asked])  # nothing else is said to P before it answered this
+            asked.result()
             transfers.move(TransferOp.READ, remote.engine_id, plan, pending, pending.stats)
             if plane.verify is not Verify.OFF:
                 self._check_pull(pending, plan)
@@ -190,6 +195,10 @@ class Loads:
         # that does not arrive is freed by P's lease).
         self._finish_pending(rid, True, "")
         self._tell(params, Release(rid, True, ""))
+
+    def _timed_claim(self, pending: _Pending) -> None:
+        with timed(pending.stats, "ask_s"):
+            self._claim(pending)
 
     def _claim(self, pending: _Pending) -> None:
         """Tell P which blocks D reads; wait (bounded) for P to publish a request it has not yet.

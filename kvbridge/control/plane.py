@@ -127,6 +127,8 @@ class ControlPlane:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request")
         # Fences and settling may wait long on a frozen peer: they never take a request worker.
         self._fencer = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence")
+        # D asks P to start a pull while it plans the read (the two need nothing of each other).
+        self._asker = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask")
         # P's digests for D's checks: memory-bound, off the endpoint thread.
         self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest")
         self._peers = Handshakes(self, secret)
@@ -212,6 +214,7 @@ class ControlPlane:
         self._prefill.close()
         self._endpoint.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._asker.shutdown(wait=True, cancel_futures=True)  # after the pulls that wait on it
         self._fencer.shutdown(wait=True, cancel_futures=True)
         self._hasher.shutdown(wait=True, cancel_futures=True)
         self._peers.close()
