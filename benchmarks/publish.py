@@ -175,12 +175,14 @@ NOTES = """\
   blocks, so the plan keeps one descriptor per block and region (1.3 M for 128k tokens of
   Llama-3-70B) and the time is memory traffic, ~20 ns per descriptor.
 - **kvbridge beside the raw engine.** Both run in the same two processes on the same
-  descriptors, in balanced orders. What kvbridge adds is fixed per request: planning (about
-  1 ms here; the layouts' compatibility is checked once per peer, not per request) and the
-  control plane's pull start round trip and hand-offs between threads (about 1 ms; D's release
-  goes to P after the load is done, off its path). At ~50-300 ms per 256 MiB request that is
-  1-5 %. On this shared 2-core VM single repetitions vary by up to 2x (see the interquartile
-  bars), so ratios within ~5 % of 1 are within noise, and a rerun moves them by that much.
+  descriptors, in balanced orders. What kvbridge adds is fixed per request ("own cost"):
+  planning (1-3 ms inside the decode process, where it shares two cores with the engines'
+  threads; about 0.8 ms for the same request planned alone; the layouts' compatibility is
+  checked once per peer, not per request) and the control plane: the pull start round trip,
+  which runs while D plans, and hand-offs between threads (0.6-1.1 ms; D's release goes to P
+  after the load is done, off its path). At ~50-300 ms per 256 MiB request that is 1-8 %.
+  On this shared 2-core VM single repetitions vary by up to 2x (see the interquartile bars),
+  so ratios within ~5 % of 1 are within noise, and a rerun moves them by that much.
 - **NIXL's progress thread.** NIXL's Python `nixl_agent` starts its progress thread with
   `pthrDelay = 0` (hard-coded), a busy loop: every process holding an agent kept a core busy
   even when idle, which on this machine was both cores (NIXL moved 1-1.7 GB/s, kvbridge's

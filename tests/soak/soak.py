@@ -152,6 +152,12 @@ class Soak:
                 self.tally.failed += 1
                 self.tally.reasons["publish refused"] += 1
                 continue
+            if fault == "kill_p" and i == n - 1:
+                # Every request is published: kill P now. The wave's earlier loads race the
+                # kill (a fast transport may finish them first); this last one is asked of a
+                # dead P, so at least one load fails for certain.
+                timer = self._disturber(fault)
+                timer.join()
             dst = self.pool.take(ids)
             try:
                 self.d.call(cmd=mode, params=pr, block_ids=dst, timeout=3 * TIMEOUT + 10)
@@ -161,7 +167,7 @@ class Soak:
             params[rid], d_ids[rid], p_ids[rid], started[rid] = pr, dst, ids, time.monotonic()
             if fault == "duplicate" and i == 0:
                 threading.Thread(target=self._duplicate, args=(pr, dst), daemon=True).start()
-        if fault == "kill_p":  # once every request is published: D's loads are what fails
+        if fault == "kill_p" and timer is None:  # the last publish failed: kill P all the same
             timer = self._disturber(fault)
         bound = 3 * TIMEOUT + 4 * TIMEOUT + 10  # deadline, fence and settle, freeze length
         for rid in rids:
