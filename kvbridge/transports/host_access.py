@@ -108,10 +108,12 @@ class PeerRanges:
         self._ranges = RegisteredRanges()
 
     def check(self, remote: AddrArray, lengths: AddrArray, what: str) -> None:
-        """Refuse descriptors outside what the owner publishes now (without holding its lock):
-        the early answer ``submit`` gives; ``access`` checks again under the lock."""
+        """Refuse descriptors outside what the owner publishes now: the early answer ``submit``
+        gives; ``access`` checks again, holding the lock for the copy."""
         fd = self._open(what)
         try:
+            # Shared, briefly: an owner rewriting the table truncates it first (read as closed).
+            _lock(fd, fcntl.LOCK_SH, self.timeout, "a check")
             self._current(fd, what).require_covered(remote, lengths, what)
         finally:
             os.close(fd)
@@ -134,7 +136,7 @@ class PeerRanges:
             raise TransferError(f"{what}: the peer closed its transport (or exited)") from None
 
     def _current(self, fd: int, what: str) -> RegisteredRanges:
-        raw = os.pread(fd, 1 << 30, 0)
+        raw = os.pread(fd, os.fstat(fd).st_size, 0)  # the table's size: no oversized buffer
         if not raw:
             raise TransferError(f"{what}: the peer closed its transport")
         if raw != self._table:  # parse only when the owner changed its registrations
