@@ -6,7 +6,7 @@ import weakref
 
 from kvbridge.core.errors import LayoutMismatchError
 from kvbridge.core.groups import GroupKind
-from kvbridge.core.layout import Layout, Region
+from kvbridge.core.layout import Layout, Region, RegionKey
 
 
 def _bytes_per_block(region: Region, ratio: int) -> int:
@@ -28,6 +28,13 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
 
     differ("dtype", a.spec.dtype, b.spec.dtype)
     differ("tp_size", a.spec.tp_size, b.spec.tp_size)
+    if a.spec.block_format != b.spec.block_format:
+        diffs.append(
+            f"block format: {na}={a.spec.block_format!r}{_engine(a)} "
+            f"{nb}={b.spec.block_format!r}{_engine(b)} (a block's bytes mean different things "
+            "on the two sides; configure the same KV cache layout and attention backend on both)"
+        )
+        return diffs  # every region would differ too: the format says it once
     differ("group indices", sorted(a.groups), sorted(b.groups))
     for index in sorted(set(a.groups) & set(b.groups)):
         ga, gb = a.groups[index], b.groups[index]
@@ -40,8 +47,8 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
         only_a, only_b = sorted(set(ra) - set(rb)), sorted(set(rb) - set(ra))
         if only_a or only_b:
             diffs.append(
-                f"group {index} regions: only on {na}: {[_fmt(k) for k in only_a]}, "
-                f"only on {nb}: {[_fmt(k) for k in only_b]}"
+                f"group {index} regions: only on {na}: {_names(only_a)}, "
+                f"only on {nb}: {_names(only_b)}"
             )
         for key in sorted(set(ra) & set(rb)):
             differ(
@@ -49,7 +56,35 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
                 _bytes_per_block(ra[key], ga.ratio),
                 _bytes_per_block(rb[key], gb.ratio),
             )
+        if ga.kind.paged and ga.kernel_size != gb.kernel_size:
+            # Different kernel blocks are split into token units: only right where every
+            # region lists tokens in order.
+            scattered = [
+                _fmt(key) for key in sorted(set(ra) & set(rb))
+                if not (ra[key].token_major and rb[key].token_major)
+            ]  # fmt: skip
+            if scattered:
+                diffs.append(
+                    f"group {index} kernel block size: {na}={ga.kernel_size} "
+                    f"{nb}={gb.kernel_size}, and its blocks do not hold tokens in order "
+                    f"({_names(scattered)}), so they only move between equal kernel block "
+                    "sizes (use the same attention backend and block size on both sides)"
+                )
     return diffs
+
+
+#: Region names listed in one message at most: a model has thousands.
+_LISTED = 4
+
+
+def _names(keys: list[RegionKey] | list[str]) -> str:
+    names = [k if isinstance(k, str) else _fmt(k) for k in keys]
+    more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
+    return "[" + ", ".join(names[:_LISTED]) + more + "]"
+
+
+def _engine(layout: Layout) -> str:
+    return f" (engine layout {layout.spec.engine_layout})" if layout.spec.engine_layout else ""
 
 
 def _fmt(key: tuple[str, str, object]) -> str:

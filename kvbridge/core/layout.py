@@ -26,6 +26,9 @@ class KVLayout(str, enum.Enum):
 
     BLOCKS_FIRST = "blocks_first"  # each kernel block holds K then V: [blocks, 2, tokens, ...]
     K_FIRST = "k_first"  # all K blocks, then all V blocks: [2, blocks, tokens, ...]
+    #: K and V are not told apart: each block's bytes move whole, one region per tensor.
+    #: Both sides must then agree on what the bytes mean (``LayoutSpec.block_format``).
+    WHOLE = "whole"
 
 
 class Part(str, enum.Enum):
@@ -46,7 +49,10 @@ class CacheTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default right after K), counted per logical block like ``block_bytes``: V starts
     ``v_offset / ratio`` bytes into each kernel block. ``tensor`` tells apart several tensors of
     one layer (a GDN layer's ``conv`` and ``ssm`` state). ``alloc_addr``/``alloc_size`` name the
-    backing allocation to register; by default the tensor's own extent.
+    backing allocation to register; by default the tensor's own extent. ``token_major`` says
+    that each part of a kernel block lists its tokens in order, each token's bytes one run of
+    the same size: only then may a block be split into token units, which planning between
+    different kernel block sizes needs.
     """
 
     layer_name: str
@@ -60,16 +66,26 @@ class CacheTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tensor: str = ""
     alloc_addr: int | None = None
     alloc_size: int | None = None
+    token_major: bool = True
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a worker registered: the wire and JSON form of a layout."""
+    """Everything a worker registered: the wire and JSON form of a layout.
+
+    ``block_format`` says what the bytes of a region's block mean where the tensors alone do
+    not (an engine's physical order within a block and how K and V share it, e.g.
+    ``"[H,N,C] head_kv"``); two sides whose formats differ never exchange bytes. ``engine_layout``
+    is the engine's own name for its physical layout (vLLM's ``KVCacheLayout``), for messages:
+    two engine layouts may differ and still agree on every block's format.
+    """
 
     groups: list[CacheGroup]
     tensors: list[CacheTensor]
     dtype: str = "bfloat16"
     tp_rank: int = 0
     tp_size: int = 1
+    block_format: str = ""
+    engine_layout: str = ""
 
 
 RegionKey = tuple[str, str, Part]
@@ -91,6 +107,7 @@ class Region:
     stride: int
     offset: int
     length: int
+    token_major: bool = True
 
     @property
     def key(self) -> RegionKey:
@@ -146,10 +163,11 @@ def expand_tensor(tensor: CacheTensor, group: CacheGroup) -> list[Region]:
 
     def region(part: Part, base: int, offset: int = 0) -> Region:
         return Region(
-            group.index, tensor.layer_name, tensor.tensor, part, base, stride, offset, length
-        )
+            group.index, tensor.layer_name, tensor.tensor, part, base, stride, offset, length,
+            tensor.token_major,
+        )  # fmt: skip
 
-    if group.kind in (GroupKind.MLA, GroupKind.STATE):
+    if group.kind in (GroupKind.MLA, GroupKind.STATE) or tensor.kv_layout is KVLayout.WHOLE:
         if length > stride:
             raise LayoutError(f"{where}: block_bytes {tensor.block_bytes} exceed the stride")
         return [region(Part.WHOLE, tensor.addr)]
@@ -219,6 +237,12 @@ class Layout:
             alloc = self._allocation(tensor, group, regions)
             allocations.append(alloc)
             by_group[group.index].extend(regions)
+        for index, regions in by_group.items():
+            if len({r.part is Part.WHOLE for r in regions}) > 1:
+                raise LayoutError(
+                    f"group {index} mixes tensors moved whole with tensors split into K and V; "
+                    "describe every tensor of a group the same way"
+                )
         self.group_regions: dict[int, GroupRegions] = {
             g: GroupRegions(self.groups[g], tuple(rs)) for g, rs in sorted(by_group.items())
         }

@@ -29,7 +29,7 @@ from kvbridge.core.block_mapping import pair_block_ids
 from kvbridge.core.compat import check_compatible
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
-from kvbridge.core.layout import GroupRegions, Layout
+from kvbridge.core.layout import GroupRegions, Layout, Part
 from kvbridge.core.transport import AddrArray, TransferOp
 
 BlockIds = Mapping[int, object]
@@ -191,6 +191,33 @@ def _collapse_units(
     return arrays
 
 
+def _fuse_regions(arrays: tuple[npt.NDArray[np.int64], ...]) -> tuple[npt.NDArray[np.int64], ...]:
+    """Fuse consecutive regions (rows) that continue one another on both sides in every block.
+
+    ``arrays`` hold one value per region (every other axis has size one). Where region
+    ``r + 1`` starts where region ``r`` ends on both sides and both step alike from block to
+    block (a block-outermost layout: a block holds every layer's page, one after another), the
+    merge would join them in every block: one row stands for them all, as ``_collapse_units``
+    does for the units inside a block.
+    """
+    s, s_step, d, d_step, n = (a.reshape(-1) for a in arrays)
+    if s.size <= 1:
+        return arrays
+    ends = s[:-1] + n[:-1]
+    joins = (
+        (s[1:] == ends)
+        & (d[1:] == d[:-1] + n[:-1])
+        & (s_step[1:] == s_step[:-1])
+        & (d_step[1:] == d_step[:-1])
+    )
+    if not joins.any():
+        return arrays
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    shape = (-1, *arrays[0].shape[1:])
+    fused = [a[starts].reshape(shape) for a in (s, s_step, d, d_step)]
+    return (*fused, np.add.reduceat(n, starts).reshape(shape))
+
+
 def _merge_rows(
     rows: tuple[npt.NDArray[np.int64], ...],
     src_ids: npt.NDArray[np.int64],
@@ -253,8 +280,9 @@ def _plan_group(
     src_arrays = {name: values[pick] for name, values in src.arrays().items()}
     dst_arrays = dst.arrays()
     unit = _unit_tokens(src.group, dst.group)
-    # Regions come as [K, V] per attention tensor, one region per tensor otherwise.
-    parts = 2 if src.group.kind in (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW) else 1
+    # Regions come as [K, V] per attention tensor split into its parts, one region per tensor
+    # otherwise (a group describes all its tensors one way, and both sides' keys agree).
+    parts = 2 if src.regions and src.regions[0].part is not Part.WHOLE else 1
     inner = parts == 2 and _kv_in_one_block(src_arrays) and _kv_in_one_block(dst_arrays)
     axes = _Axes(parts, inner)
     s_off, s_step = _side_offsets(src.group, src_arrays, unit, axes)
@@ -272,7 +300,7 @@ def _plan_group(
         inner_axes = 2 if inner else 1
         arrays = _collapse_units(arrays, inner_axes)
         if math.prod(arrays[0].shape[-inner_axes:]) == 1:
-            merged = _merge_rows(arrays, src_ids, dst_ids, sort_runs)
+            merged = _merge_rows(_fuse_regions(arrays), src_ids, dst_ids, sort_runs)
             if merged is not None:
                 return replace(merged, count=count)
     s_off, s_step, d_off, d_step, lengths = arrays

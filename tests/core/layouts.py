@@ -47,7 +47,34 @@ def attention_tensor(
             v_addr=addr + group.num_blocks * part,
         )  # fmt: skip
     addr = arena.allocate(group.num_blocks * 2 * part)
+    if layout is KVLayout.WHOLE:  # each token's K|V together, the block moved whole
+        return CacheTensor(name, group.index, addr, 2 * part, 2 * part, KVLayout.WHOLE)
     return CacheTensor(name, group.index, addr, 2 * part, part)
+
+
+def interleaved_tensors(
+    arena: Arena, names: list[str], group: CacheGroup, bytes_per_token: int, layout: KVLayout
+) -> list[CacheTensor]:
+    """Attention or MLA tensors whose blocks hold every layer's page one after another (a
+    block-outermost layout such as vLLM's BLHNC): layer ``l`` of block ``b`` at
+    ``base + b * L * page + l * page``. K-first tensors come blocks-first here."""
+    attention = group.kind in (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW)
+    part = group.block_size * bytes_per_token
+    page = 2 * part if attention else part
+    stride = len(names) * page
+    base = arena.allocate(group.num_blocks * stride)
+    size = group.num_blocks * stride
+    tensors = []
+    for layer, name in enumerate(names):
+        addr = base + layer * page
+        if not attention or layout is KVLayout.WHOLE:
+            kv = KVLayout.WHOLE if attention else KVLayout.BLOCKS_FIRST
+            tensors.append(CacheTensor(name, group.index, addr, stride, page, kv,
+                                       alloc_addr=base, alloc_size=size))  # fmt: skip
+        else:
+            tensors.append(CacheTensor(name, group.index, addr, stride, part,
+                                       alloc_addr=base, alloc_size=size))  # fmt: skip
+    return tensors
 
 
 def mla_tensor(arena: Arena, name: str, group: CacheGroup, bytes_per_token: int) -> CacheTensor:

@@ -50,7 +50,7 @@ def paired_ids(
 
 def _parts(tensor: CacheTensor, group: CacheGroup) -> list[str]:
     if group.kind in (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW):
-        return ["K", "V"]
+        return ["WHOLE"] if tensor.kv_layout is KVLayout.WHOLE else ["K", "V"]
     return ["WHOLE"]
 
 

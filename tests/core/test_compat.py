@@ -50,10 +50,29 @@ def test_every_differing_field_is_named():
         "tp_size: P=1 D=2",
         "group 0 block_size: P=16 D=32",
         "group 1 kind: P='STATE' D='MLA'",
-        "only on P: ['layers.0.attn:K', 'layers.0.attn:V', 'layers.1.attn:K', 'layers.1.attn:V']",
-        "only on D: ['renamed.attn:K', 'renamed.attn:V']",
+        "only on P: [layers.0.attn:K, layers.0.attn:V, layers.1.attn:K, layers.1.attn:V]",
+        "only on D: [renamed.attn:K, renamed.attn:V]",
     ):
         assert any(needle in diff for diff in diffs), (needle, diffs)
+
+
+def test_a_different_block_format_is_said_once_and_lists_are_short():
+    p = hybrid_layout(Arena())
+    d = Layout(msgspec.structs.replace(p.spec, block_format="[N,H,C]", engine_layout="LBNHC"))
+    with pytest.raises(LayoutMismatchError) as err:
+        check_compatible(p, d)
+    (only,) = err.value.differences  # regions are not listed once the format differs
+    assert "block format: P='' D='[N,H,C]' (engine layout LBNHC)" in only
+    many = [
+        msgspec.structs.replace(t, layer_name=f"x{i}.{t.layer_name}")
+        for i in range(3)
+        for t in p.spec.tensors
+    ]
+    wide = Layout(msgspec.structs.replace(p.spec, tensors=many))
+    with pytest.raises(LayoutMismatchError) as wide_err:
+        check_compatible(p, wide)
+    text = str(wide_err.value)
+    assert " more]" in text and len(text) < 1000
 
 
 def test_bytes_per_block_and_group_set_differences():

@@ -20,7 +20,14 @@ from kvbridge.core import (
     plan_transfers,
 )
 
-from .layouts import Arena, apply_plan, attention_tensor, hybrid_layout, mla_tensor
+from .layouts import (
+    Arena,
+    apply_plan,
+    attention_tensor,
+    hybrid_layout,
+    interleaved_tensors,
+    mla_tensor,
+)
 from .reference import minimum_descriptor_count, reference_copy, reference_descriptors
 
 
@@ -71,8 +78,8 @@ def test_kernel_ratio_four_on_attention_leaves_state_untouched(kv_layout):
     assert p.groups[0].ratio == 4 and p.groups[1].ratio == 1
     plan = check_plan(pa, p, da, d, {0: [2, 5], 1: [0, 6]}, {0: [7, 3], 1: [0, 9]})
     attention = plan.groups[0]
-    # each logical block is 4 kernel pages, each page a K and a V descriptor
-    assert attention.descriptors == 2 * 2 * 4 * 2
+    # each logical block is 4 kernel pages, each page a K and a V descriptor (or one, whole)
+    assert attention.descriptors == 2 * 2 * 4 * (1 if kv_layout is KVLayout.WHOLE else 2)
     # every kernel page moves block_bytes/ratio, so the group moves exactly its blocks' bytes
     assert attention.nbytes == 2 * 2 * 2 * (16 * 8)
 
@@ -241,3 +248,19 @@ def test_hybrid_with_storage_shared_across_groups_matches_reference(seed, kernel
             else:
                 ids[index] = [pool.pop() for _ in range(3)]
     check_plan(pa, p, da, d, p_ids, d_ids, seed=seed)
+
+
+@pytest.mark.parametrize("kv", [KVLayout.WHOLE, KVLayout.BLOCKS_FIRST])
+def test_block_outermost_layers_move_as_one_descriptor_per_run(kv):
+    # vLLM's BLHNC: a block holds every layer's page; a run of blocks is one descriptor.
+    pa, da = Arena(), Arena(next=1 << 20)
+    layouts = []
+    for arena in (pa, da):
+        group = CacheGroup(0, GroupKind.ATTENTION, 4, 16)
+        names = [f"l{i}" for i in range(5)]
+        tensors = interleaved_tensors(arena, names, group, 8, kv)
+        layouts.append(Layout(LayoutSpec([group], tensors)))
+    p, d = layouts
+    plan = check_plan(pa, p, da, d, {0: [3, 4, 5, 9, 1]}, {0: [6, 7, 8, 2, 12]})
+    assert plan.count == 3  # runs 3-5 → 6-8, 9 → 2, 1 → 12
+    assert plan.unmerged == 5 * 5 * (1 if kv is KVLayout.WHOLE else 2)

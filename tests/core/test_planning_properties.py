@@ -17,7 +17,14 @@ from kvbridge.core import (
     plan_transfers,
 )
 
-from .layouts import Arena, apply_plan, attention_tensor, mla_tensor, state_tensors
+from .layouts import (
+    Arena,
+    apply_plan,
+    attention_tensor,
+    interleaved_tensors,
+    mla_tensor,
+    state_tensors,
+)
 from .reference import Refused, minimum_descriptor_count, reference_copy, reference_descriptors
 
 KINDS = list(GroupKind)
@@ -40,6 +47,8 @@ def model(draw):
                 "bytes_per_token": draw(st.integers(1, 6)),
                 "conv": draw(st.integers(1, 40)),
                 "ssm": draw(st.integers(1, 40)),
+                # both sides describe a group's attention tensors alike: whole, or K and V
+                "whole": draw(st.booleans()),
             }
         )
     return groups
@@ -53,10 +62,22 @@ def side(draw, groups):
         "kernels": [
             draw(st.sampled_from([d for d in (1, 2, 4, 8) if g["block"] % d == 0])) for g in groups
         ],
-        "kv_layouts": [draw(st.sampled_from(list(KVLayout))) for _ in groups],
+        "kv_layouts": [
+            draw(st.sampled_from([KVLayout.BLOCKS_FIRST, KVLayout.K_FIRST])) for _ in groups
+        ],
         "shuffle": draw(st.randoms(use_true_random=False)),
         "pad": draw(st.integers(0, 16)),
+        # block-outermost: a block holds every layer's page (kernel blocks equal the block)
+        "interleave": [draw(st.booleans()) for _ in groups],
     }
+
+
+def kernels(groups, choice) -> list[int]:
+    """Kernel sizes per group: a block-outermost group keeps whole blocks (as vLLM does)."""
+    return [
+        g["block"] if mixed and g["kind"] is not GroupKind.STATE else k
+        for g, k, mixed in zip(groups, choice["kernels"], choice["interleave"], strict=True)
+    ]
 
 
 def build(groups, choice, arena: Arena) -> Layout:
@@ -66,10 +87,17 @@ def build(groups, choice, arena: Arena) -> Layout:
             kernel_block_size=k if g["kind"].paged else None,
             sliding_window=g["window"] if g["kind"] is GroupKind.SLIDING_WINDOW else None,
         )
-        for g, k in zip(groups, choice["kernels"], strict=True)
+        for g, k in zip(groups, kernels(groups, choice), strict=True)
     ]  # fmt: skip
     tensors = []
-    for g, cg, kv in zip(groups, cache_groups, choice["kv_layouts"], strict=True):
+    for g, cg, kv, mixed in zip(
+        groups, cache_groups, choice["kv_layouts"], choice["interleave"], strict=True
+    ):
+        kv = KVLayout.WHOLE if g["whole"] else kv
+        if mixed and cg.kind is not GroupKind.STATE:
+            names = [f"g{g['index']}.l{layer}" for layer in range(g["layers"])]
+            tensors += interleaved_tensors(arena, names, cg, g["bytes_per_token"], kv)
+            continue
         for layer in range(g["layers"]):
             name = f"g{g['index']}.l{layer}"
             if cg.kind is GroupKind.STATE:

@@ -9,8 +9,10 @@ starts publishes, loads and releases without blocking the forward pass. Options 
 of the transport), ``mode`` (``pull`` or ``push``), ``host`` (side channel, ``127.0.0.1``),
 ``port`` (side channel of TP rank 0, default 5790; rank r uses port + r), ``timeout`` (s),
 ``lease`` (s), ``secret`` (shared token authenticating peers), ``kv_split`` (``head_kv`` for
-vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform), ``verify``
-(``off``, ``sample``, ``full``: digest what was moved on both sides; a mismatch fails the load).
+vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform), ``kv_layout``
+(the physical KV cache layout to ask vLLM for: ``auto``, or one of vLLM's ``KVCacheLayout``
+names such as ``LBHNC`` or ``BLHNC``), ``verify`` (``off``, ``sample``, ``full``: digest what was
+moved on both sides; a mismatch fails the load).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Options:
     lease: float = 30.0
     secret: str | None = None
     kv_split: str | None = None
+    kv_layout: str = "auto"
     verify: Verify = Verify.OFF
 
     @classmethod
@@ -96,6 +99,8 @@ class Options:
                 )
         if "mode" in extra:
             extra["mode"] = Mode(extra["mode"])
+        if "kv_layout" in extra:
+            extra["kv_layout"] = _layout_option(extra["kv_layout"])
         if "verify" in extra:
             try:
                 extra["verify"] = Verify(extra["verify"])
@@ -129,6 +134,39 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), size
+
+
+def _layout_option(value: object) -> str:
+    """The ``kv_layout`` option checked against vLLM's layout names (case-insensitive)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    names = [layout.name for layout in KVCacheLayout]
+    name = str(value).upper()
+    if name == "AUTO":
+        return "auto"
+    if name not in names:
+        raise ValueError(
+            f"kvbridge option kv_layout={value!r}: use 'auto' or one of vLLM's layouts {names}"
+        )
+    return name
+
+
+def required_layout(options: Options, use_mla: bool) -> str | None:
+    """The physical layout kvbridge asks vLLM for (``None``: vLLM's backends choose).
+
+    ``auto`` asks for LBHNC, as vLLM's own NIXL and Mooncake connectors do, except for MLA,
+    whose one latent head makes every layout move the same bytes. LBHNC keeps a layer's
+    kernel block one dense run (one descriptor per layer and run of blocks), lets vLLM split
+    blocks into kernel blocks for any backend, keeps each head's slice dense for transfers
+    between different TP sizes, and is the only layout vLLM's CPU backend allows. The
+    block-outermost BLHNC moves a run of blocks of every layer in one descriptor, but vLLM
+    cannot split its blocks into kernel blocks; ask for it explicitly where the backend takes
+    the manager block size. Whatever vLLM resolves (a backend or ``VLLM_KV_CACHE_LAYOUT`` may
+    override the wish), the layout is read from the caches and checked against the peer's.
+    """
+    if options.kv_layout != "auto":
+        return options.kv_layout
+    return None if use_mla else "LBHNC"
 
 
 def endpoint_of(options: Options, tp_rank: int = 0) -> str:
@@ -176,6 +214,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 transport=self.options.transport,
                 mode=self.options.mode,
             )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        ktc = vllm_config.kv_transfer_config
+        extra = ktc.kv_connector_extra_config if ktc is not None else None
+        options = Options.from_extra(extra, cls.default_transport)
+        model = vllm_config.model_config
+        layout = required_layout(options, bool(model is not None and model.use_mla))
+        log.info("kvbridge: asking vLLM for the %s KV cache layout", layout or "backends' own")
+        return layout
 
     # -- scheduler side ---------------------------------------------------------------------------
     def _sched(self) -> SchedulerState:
@@ -229,9 +277,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.platforms import current_platform
 
             split = SPLIT_HEAD_KV if current_platform.is_cpu() else SPLIT_OPAQUE
-        spec = build_layout_spec(
-            self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size
+        cache_config = getattr(self._vllm_config, "cache_config", None)
+        engine_layout = getattr(self._kv_cache_config, "kv_cache_layout", None) or getattr(
+            cache_config, "kv_cache_layout", None
         )
+        spec = build_layout_spec(
+            self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size,
+            engine_layout=engine_layout,
+        )  # fmt: skip
         transport = load_transport(self.options.transport, **self.options.transport_timed())
         self.plane = ControlPlane(
             Layout(spec), transport, engine_id=self.engine_id, host=self.options.host,

@@ -8,15 +8,22 @@ head_size_v`` elements; Mamba/GDN views stay int8 ``[B, 1, 1, page]`` with the l
 id is owned by one group at a time. Everything below is read from the tensors' ``data_ptr()``,
 ``stride()`` and ``shape``, never assumed from a layout name.
 
-How ``C`` is split into K and V is the attention backend's business. vLLM's CPU backend reads a
-head's slice of a kernel block ``[N, C]`` as K for its N tokens, then V for them (``[2, N, D]``);
-CUDA FlashAttention reads each ``C`` cell as ``[K | V]`` of one token. We describe every head of a
-layer as its own cache tensor whose "K" and "V" are the two halves of that head's slice. Both
-sides moving the same halves is byte-exact whatever the backend means by them, as long as both
-sides use the same kernel block size. When the kernel sizes differ, the core splits a block into
-token units, which is only right when each half is token-major (the CPU backend); for any other
-backend the kernel block size is put into the tensor name, so a mismatch is refused by the
-handshake's compatibility check instead of moving wrong bytes.
+vLLM 0.32 has six physical layouts (``KVCacheLayout``: LBHNC, LBNHC, LHBNC, BLHNC, BLNHC,
+BHLNC). Whatever the layout, what moves is read from the strides: a layer's kernel block when
+its ``H x N x C`` bytes are one dense run, else each head's ``N x C`` slice of it. Blocks move
+whole, K and V together, so a transfer is byte-exact whatever the backend means by the bytes,
+provided both sides agree on the order inside a block: that order (``[H,N,C]``, ``[N,H,C]`` or
+per head ``[N,C]``) and how the backend reads ``C`` (``split``) form the layout's
+``block_format``, and sides whose formats differ are refused. LBHNC and BLHNC (or LBNHC and
+BLNHC) differ only in where a layer's block sits, so they pair.
+
+How ``C`` divides into K and V is the attention backend's business. vLLM's CPU backend reads a
+head's slice of a kernel block ``[N, C]`` as K for its N tokens, then V for them (``[2, N, D]``,
+``split="head_kv"``); CUDA FlashAttention reads each ``C`` cell as ``[K | V]`` of one token.
+Different kernel block sizes on the two sides need a block split into tokens, which is only
+right where tokens are outermost in what moves and the backend keeps a token's bytes together
+(MLA, and ``[N,H,C]`` or per-head regions under a backend other than the CPU one); elsewhere the
+compatibility check refuses different kernel sizes.
 """
 
 from __future__ import annotations
@@ -97,42 +104,61 @@ def _byte_strides(tensor: torch.Tensor) -> list[int]:
 
 def _paged_tensors(
     layer: str, view: torch.Tensor, group: CacheGroup, ratio: int, split: str
-) -> list[CacheTensor]:
-    """Cache tensors of one attention or MLA layer view ``[B*ratio, H, N, C]``."""
+) -> tuple[list[CacheTensor], str]:
+    """Cache tensors of one attention or MLA layer view ``[B*ratio, H, N, C]``, and their format.
+
+    Read from the view's strides, whatever vLLM's physical layout: when a kernel block's
+    ``H x N x C`` bytes are one dense run (LBHNC, LBNHC, BLHNC, BLNHC) the layer is one region
+    moved whole; when only each head's ``N x C`` bytes are (LHBNC, BHLNC), one region per head.
+    The format names the order of the bytes inside what moves, so two sides agree on it or are
+    refused. A region is token-major (splittable into tokens, which different kernel block
+    sizes need) when its tokens are outermost and the backend keeps a token's bytes together.
+    """
     if view.dim() != 4:
         raise LayoutError(f"layer {layer!r}: expected a 4-D [B, H, N, C] view, got {view.shape}")
+    if group.kind is GroupKind.MLA and view.shape[1] != 1:
+        raise LayoutError(f"MLA layer {layer!r} has {view.shape[1]} head slots, expected 1")
     _, heads, tokens, content = view.shape
     s_block, s_head, s_token, s_content = _byte_strides(view)
     esize = view.element_size()
-    if s_content != esize or s_token != content * esize:
-        raise LayoutError(
-            f"layer {layer!r}: the tokens of a head are not one dense run "
-            f"(shape {tuple(view.shape)}, byte strides {(s_block, s_head, s_token, s_content)})"
-        )
-    head_bytes = tokens * content * esize  # one head's slice of one kernel block
+    cell = content * esize  # one token's content in one head
+    where = f"shape {tuple(view.shape)}, byte strides {(s_block, s_head, s_token, s_content)}"
+    if s_content != esize and content > 1:
+        raise LayoutError(f"layer {layer!r}: a token's content is not one dense run ({where})")
+    # Axes inside a kernel block other than C, outermost first; size-1 axes take no part.
+    axes = (("H", heads, s_head), ("N", tokens, s_token))
+    inner = sorted((axis for axis in axes if axis[1] > 1), key=lambda axis: -axis[2])
+    dense, expected = [], cell
+    for _, size, stride in reversed(inner):
+        dense.append(stride == expected)
+        expected *= size
+    order = "".join(name for name, _, _ in inner) + "C"
     alloc_addr, alloc_size = _allocation(view)
     base = int(view.data_ptr())
-    if group.kind is GroupKind.MLA:
-        if heads != 1:
-            raise LayoutError(f"MLA layer {layer!r} has {heads} head slots, expected 1")
-        return [
+    # vLLM's CPU backend reads a head's [N, C] as K of its N tokens, then V: not token-major.
+    token_split = split != SPLIT_HEAD_KV or group.kind is GroupKind.MLA
+    if all(dense):
+        block_bytes = heads * tokens * cell
+        tensor = CacheTensor(
+            layer, group.index, base, s_block * ratio, block_bytes * ratio,
+            kv_layout=KVLayout.WHOLE, alloc_addr=alloc_addr, alloc_size=alloc_size,
+            token_major=token_split and order.startswith("N"),
+        )  # fmt: skip
+        return [tensor], f"[{','.join(order)}] {split}"
+    if s_token == cell or tokens == 1:
+        head_tensors = [
             CacheTensor(
-                layer, group.index, base, s_block * ratio, head_bytes * ratio,
-                alloc_addr=alloc_addr, alloc_size=alloc_size,
+                layer, group.index, base + h * s_head, s_block * ratio, tokens * cell * ratio,
+                kv_layout=KVLayout.WHOLE, tensor=f"h{h}", alloc_addr=alloc_addr,
+                alloc_size=alloc_size, token_major=token_split,
             )
+            for h in range(heads)
         ]  # fmt: skip
-    if head_bytes % 2:
-        raise LayoutError(f"layer {layer!r}: a head slice of {head_bytes} bytes has no halves")
-    half = head_bytes // 2
-    tag = "" if split == SPLIT_HEAD_KV else f"@k{group.kernel_size}"
-    return [
-        CacheTensor(
-            layer, group.index, base + h * s_head, s_block * ratio, half * ratio,
-            kv_layout=KVLayout.BLOCKS_FIRST, v_offset=half * ratio, tensor=f"h{h}{tag}",
-            alloc_addr=alloc_addr, alloc_size=alloc_size,
-        )
-        for h in range(heads)
-    ]  # fmt: skip
+        return head_tensors, f"per head [N,C] {split}"
+    raise LayoutError(
+        f"layer {layer!r}: neither a kernel block nor a head's slice of it is one dense run "
+        f"({where}); kvbridge cannot move this layout"
+    )
 
 
 def _state_tensors(
@@ -176,6 +202,7 @@ def build_layout_spec(
     split: str = SPLIT_HEAD_KV,
     tp_rank: int = 0,
     tp_size: int = 1,
+    engine_layout: str | None = None,
 ) -> LayoutSpec:
     """The core layout of what a vLLM worker registered.
 
@@ -183,7 +210,9 @@ def build_layout_spec(
     passes to ``register_kv_caches`` (layer name → view). A group's index is its index in
     ``kv_cache_config.kv_cache_groups``, so block-id tuples index it directly; groups that take
     no part in transfers (``enable_kv_transfer=False``) and layers without a registered view are
-    left out. ``split`` says how attention head slices divide into K and V (see the module doc).
+    left out. ``split`` says how the backend reads a head's content (see the module doc);
+    ``engine_layout`` is vLLM's name of the physical layout, kept for messages (the regions and
+    the block format are read from the views themselves).
     """
     if split not in (SPLIT_HEAD_KV, SPLIT_OPAQUE):
         raise ValueError(f"split must be {SPLIT_HEAD_KV!r} or {SPLIT_OPAQUE!r}, got {split!r}")
@@ -191,6 +220,7 @@ def build_layout_spec(
     tensors: list[CacheTensor] = []
     dtypes: list[str] = []
     paged_dtypes: list[str] = []
+    formats: set[str] = set()
     num_blocks = int(kv_cache_config.num_blocks)
     for index, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(group_spec, "enable_kv_transfer", True) or getattr(
@@ -234,11 +264,16 @@ def build_layout_spec(
                         f"layer {layer!r}: {view.shape[0]} kernel blocks, the group's first "
                         f"layer has {num_blocks * ratio}"
                     )
-                tensors.extend(_paged_tensors(layer, view, group, ratio, split))
+                layer_tensors, block_format = _paged_tensors(layer, view, group, ratio, split)
+                tensors.extend(layer_tensors)
+                formats.add(f"{kind.value} {block_format}")
                 paged_dtypes.append(_dtype_name(layer_spec.dtype))
     if not groups:
         raise LayoutError("vLLM registered no cache tensor that kvbridge can transfer")
     # The layout's dtype names what the attention caches hold (a STATE-only model: its first
     # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
     dtype = next(iter(paged_dtypes or dtypes), "bfloat16")
-    return LayoutSpec(groups=groups, tensors=tensors, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+    return LayoutSpec(
+        groups=groups, tensors=tensors, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+        block_format="; ".join(sorted(formats)), engine_layout=engine_layout or "",
+    )  # fmt: skip

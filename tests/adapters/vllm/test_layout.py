@@ -19,6 +19,8 @@ torch = pytest.importorskip("torch")
 
 from kvbridge.adapters.vllm.layout import SPLIT_OPAQUE, build_layout_spec  # noqa: E402
 from kvbridge.core import GroupKind, Layout, Part  # noqa: E402
+from kvbridge.core.compat import check_compatible  # noqa: E402
+from kvbridge.core.errors import LayoutMismatchError  # noqa: E402
 
 
 def test_hybrid_groups_kernels_and_shared_storage() -> None:
@@ -38,22 +40,22 @@ def test_hybrid_groups_kernels_and_shared_storage() -> None:
         assert region.stride == page  # one state slot per logical block, not per kernel block
 
 
-def test_attention_halves_are_the_cpu_backends_key_and_value() -> None:
+def test_attention_layer_block_is_one_whole_region_on_the_cpu_layout() -> None:
+    # LBHNC (the CPU backend's only layout): a layer's kernel block [H, N, C] is one dense run,
+    # moved whole, K and V together; head-major, so it does not split into tokens.
     config, kernels = hybrid_config(kernel=32)
     caches = allocate(config, kernels)
-    layout = Layout(build_layout_spec(config, caches))
-    regions = {(r.layer_name, r.tensor, r.part): r for r in layout.group_regions[0].regions}
+    spec = build_layout_spec(config, caches)
+    assert spec.block_format.startswith("ATTENTION [H,N,C] head_kv")
+    layout = Layout(spec)
+    regions = {r.layer_name: r for r in layout.group_regions[0].regions}
     kv = caches["a1"]
-    blocks, heads, tokens, _ = kv.shape
-    # vLLM's CPU attention: view [B, H, 2N, D] and split dim 2 into key and value caches.
-    key, value = kv.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)
-    for h in range(heads):
-        for part, cache in ((Part.K, key), (Part.V, value)):
-            region = regions[("a1", f"h{h}", part)]
-            for kb in (0, 5, blocks - 1):
-                addr = region.base_addr + kb * region.stride + region.offset
-                assert addr == cache[kb, h].data_ptr()
-                assert region.length == cache[kb, h].numel() * cache.element_size()
+    (region,) = [r for r in layout.group_regions[0].regions if r.layer_name == "a1"]
+    assert region.part is Part.WHOLE and not region.token_major
+    assert set(regions) == {"a0", "a1"}
+    for kb in (0, 5, kv.shape[0] - 1):
+        assert region.base_addr + kb * region.stride + region.offset == kv[kb].data_ptr()
+        assert region.length == kv[kb].numel() * kv.element_size()
 
 
 def test_state_tensors_match_the_views_mamba_layers_bind() -> None:
@@ -91,8 +93,29 @@ def test_sliding_window_group() -> None:
     assert layout.groups[0].sliding_window == 128
 
 
-def test_opaque_split_names_the_kernel_size() -> None:
-    # Where the backend's K/V split is unknown, different kernel sizes must not pair up.
+def test_head_major_blocks_refuse_different_kernel_sizes() -> None:
+    # Kernel blocks of 32 and 64 tokens hold a head's tokens in different places: refused
+    # with both sizes named, never split into wrong token units.
+    p_config, p_kernels = hybrid_config(kernel=32)
+    d_config, d_kernels = hybrid_config(kernel=64)
+    p = Layout(build_layout_spec(p_config, allocate(p_config, p_kernels)))
+    d = Layout(build_layout_spec(d_config, allocate(d_config, d_kernels)))
+    with pytest.raises(LayoutMismatchError, match="kernel block size: P=32 D=64"):
+        check_compatible(p, d)
+
+
+def test_mla_pairs_different_kernel_sizes() -> None:
+    # One latent head: a block lists its tokens in order, so kernel sizes may differ.
+    config, kernels = single_group_config(mla_spec())
+    p = Layout(build_layout_spec(config, allocate(config, kernels)))
+    d = Layout(build_layout_spec(config, allocate(config, [BLOCK // 2])))
+    assert (p.groups[0].kernel_size, d.groups[0].kernel_size) == (BLOCK, BLOCK // 2)
+    check_compatible(p, d)
+
+
+def test_block_formats_of_different_backends_do_not_pair() -> None:
     config, kernels = single_group_config(attn_spec())
-    spec = build_layout_spec(config, allocate(config, kernels), split=SPLIT_OPAQUE)
-    assert {t.tensor for t in spec.tensors} == {f"h0@k{BLOCK}", f"h1@k{BLOCK}"}
+    cpu = Layout(build_layout_spec(config, allocate(config, kernels)))
+    other = Layout(build_layout_spec(config, allocate(config, kernels), split=SPLIT_OPAQUE))
+    with pytest.raises(LayoutMismatchError, match="block format"):
+        check_compatible(cpu, other)

@@ -1,0 +1,52 @@
+"""The physical layout kvbridge asks vLLM for, resolved by vLLM's own code."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.config import VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvbridge.adapters.vllm.connector import (
+    KVBridgeConnector,
+    Options,
+    required_layout,
+)
+from kvbridge.adapters.vllm.plugin import register
+
+#: What a CUDA worker with FlashAttention reports: every layout, LBNHC first (vLLM's default).
+EVERY_LAYOUT = [["LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]]
+
+
+def _config(**extra: object) -> VllmConfig:
+    register()
+    ktc = KVTransferConfig(
+        kv_connector="KVBridgeConnector", kv_role="kv_both", engine_id="e",
+        kv_connector_extra_config={"transport": "mooncake", **extra},
+    )  # fmt: skip
+    return VllmConfig(kv_transfer_config=ktc)
+
+
+def test_auto_asks_for_lbhnc_and_vllm_resolves_it() -> None:
+    config = _config()
+    assert KVBridgeConnector.get_required_kvcache_layout(config) == "LBHNC"
+    assert resolve_kv_cache_layout(config, EVERY_LAYOUT) is KVCacheLayout.LBHNC
+
+
+def test_mla_leaves_the_choice_to_the_backends() -> None:
+    assert required_layout(Options(), use_mla=True) is None
+    assert required_layout(Options.from_extra({"kv_layout": "BLHNC"}, None), use_mla=True) == (
+        "BLHNC"
+    )
+
+
+def test_an_explicit_layout_is_asked_for() -> None:
+    config = _config(kv_layout="blhnc")
+    assert KVBridgeConnector.get_required_kvcache_layout(config) == "BLHNC"
+    assert resolve_kv_cache_layout(config, EVERY_LAYOUT) is KVCacheLayout.BLHNC
+
+
+def test_an_unknown_layout_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"kv_layout='HND'.*'auto'.*LBHNC"):
+        Options.from_extra({"kv_layout": "HND"}, None)
