@@ -161,6 +161,43 @@ def _paged_tensors(
     )
 
 
+def _spans_beyond_stride(tensors: list[CacheTensor]) -> bool:
+    """Whether one block of these tensors (a layer) covers more bytes than a block stride."""
+    low = min(t.addr for t in tensors)
+    high = max(t.addr + t.block_bytes for t in tensors)
+    return high - low > max(t.block_stride for t in tensors)
+
+
+def _extent(tensors: list[CacheTensor], num_blocks: int) -> tuple[int, int]:
+    return (
+        min(t.addr for t in tensors),
+        max(t.addr + (num_blocks - 1) * t.block_stride + t.block_bytes for t in tensors),
+    )
+
+
+def _aliased_layer(by_group: dict[int, list[list[CacheTensor]]], num_blocks: int) -> str | None:
+    """A layer whose blocks overlay other block ids of another group, if any.
+
+    vLLM's groups overlay one buffer and a block id belongs to one group at a time, which keeps
+    their bytes apart when each block of a layer stays inside its own block stride (or two
+    overlapping layers place their blocks identically). A layer spread over head slices far
+    apart (LHBNC) beside a group laid out otherwise (a GDN state page) breaks that: vLLM 0.32
+    allows it, and a transfer of one request's blocks would then write another request's bytes.
+    """
+    layers = [(g, tensors) for g, per_layer in by_group.items() for tensors in per_layer]
+    for i, (g, a) in enumerate(layers):
+        for h, b in layers[i + 1 :]:
+            if g == h or not (_spans_beyond_stride(a) or _spans_beyond_stride(b)):
+                continue
+            (a0, a1), (b0, b1) = _extent(a, num_blocks), _extent(b, num_blocks)
+            same = sorted((t.addr, t.block_stride, t.block_bytes) for t in a) == sorted(
+                (t.addr, t.block_stride, t.block_bytes) for t in b
+            )
+            if a0 < b1 and b0 < a1 and not same:
+                return a[0].layer_name if _spans_beyond_stride(a) else b[0].layer_name
+    return None
+
+
 def _state_tensors(
     layer: str, view: torch.Tensor, spec: Any, group: CacheGroup
 ) -> list[CacheTensor]:
@@ -221,6 +258,7 @@ def build_layout_spec(
     dtypes: list[str] = []
     paged_dtypes: list[str] = []
     formats: set[str] = set()
+    by_group: dict[int, list[list[CacheTensor]]] = {}  # group index → each layer's tensors
     num_blocks = int(kv_cache_config.num_blocks)
     for index, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(group_spec, "enable_kv_transfer", True) or getattr(
@@ -256,7 +294,9 @@ def build_layout_spec(
             view = kv_caches[layer]
             layer_spec = _spec_of(spec, layer)
             if kind is GroupKind.STATE:
-                tensors.extend(_state_tensors(layer, view, layer_spec, group))
+                state = _state_tensors(layer, view, layer_spec, group)
+                tensors.extend(state)
+                by_group.setdefault(index, []).append(state)
                 dtypes.extend(_dtype_name(d) for d in layer_spec.dtypes)
             else:
                 if view.shape[0] != num_blocks * ratio:
@@ -268,8 +308,18 @@ def build_layout_spec(
                 tensors.extend(layer_tensors)
                 formats.add(f"{kind.value} {block_format}")
                 paged_dtypes.append(_dtype_name(layer_spec.dtype))
+                by_group.setdefault(index, []).append(layer_tensors)
     if not groups:
         raise LayoutError("vLLM registered no cache tensor that kvbridge can transfer")
+    scattered = _aliased_layer(by_group, num_blocks)
+    if scattered is not None:
+        raise LayoutError(
+            f"the KV cache layout {engine_layout or '(unnamed)'} spreads each block of layer "
+            f"{scattered!r} over head slices further apart than a block, where another cache "
+            "group lays out the same bytes differently: a block id of one group then holds "
+            "bytes of other block ids of the other group (they overlay the same buffer), so no "
+            "transfer can be right; use LBHNC (kv_layout 'auto') or a block-outermost layout"
+        )
     # The layout's dtype names what the attention caches hold (a STATE-only model: its first
     # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
     dtype = next(iter(paged_dtypes or dtypes), "bfloat16")
