@@ -121,6 +121,9 @@ class Transport(abc.ABC):
     #: True when the engine's completion call blocks (``_wait_chunk``, run on one lane thread per
     #: peer); False when chunks are checked without blocking (``_check_chunk``) from ``poll``
     blocking_engine: ClassVar[bool] = False
+    #: the keyword option naming the address this agent announces to peers, if the engine
+    #: announces one; adapters fill it from their own configured host when it is not given
+    host_option: ClassVar[str | None] = None
 
     def __init__(self, *, timeout: float = 30.0, retries: int = 0) -> None:
         if not timeout > 0:

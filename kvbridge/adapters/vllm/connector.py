@@ -41,7 +41,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
-from kvbridge.core.registry import load_transport
+from kvbridge.core.registry import load_transport_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -285,7 +285,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size,
             engine_layout=engine_layout,
         )  # fmt: skip
-        transport = load_transport(self.options.transport, **self.options.transport_timed())
+        transport_cls = load_transport_class(self.options.transport)
+        options = self.options.transport_timed()
+        if transport_cls.host_option is not None:
+            # The transport announces the address peers reach it at: the side channel's host
+            # unless the transport's own option says otherwise.
+            options.setdefault(transport_cls.host_option, self.options.host)
+        transport = transport_cls(**options)
         self.plane = ControlPlane(
             Layout(spec), transport, engine_id=self.engine_id, host=self.options.host,
             port=self.options.port + tp_rank, secret=self.options.secret,

@@ -113,6 +113,7 @@ class MooncakeTransport(Transport):
     log_hint: ClassVar[str] = "the Mooncake engine log (stderr) has the reason"
     metadata_version: ClassVar[int] = 2
     blocking_engine: ClassVar[bool] = True
+    host_option: ClassVar[str | None] = "hostname"
 
     def __init__(
         self,

@@ -27,19 +27,21 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(engine_id: str, role: str, port: int) -> SimpleNamespace:
+def _config(engine_id: str, role: str, port: int, host: str) -> SimpleNamespace:
     ktc = KVTransferConfig(
         kv_connector="KVBridgeConnector", kv_role=role, engine_id=engine_id,
-        kv_connector_extra_config={"transport": "mooncake", "port": port, "timeout": 10},
+        kv_connector_extra_config={
+            "transport": "mooncake", "host": host, "port": port, "timeout": 10,
+        },
     )  # fmt: skip
     return SimpleNamespace(
         kv_transfer_config=ktc, parallel_config=SimpleNamespace(tensor_parallel_size=1)
     )
 
 
-def _pair(engine_id: str, role: str):
+def _pair(engine_id: str, role: str, host: str = "127.0.0.1"):
     config, kernels = hybrid_config(kernel=32)
-    vcfg = _config(engine_id, role, _port())
+    vcfg = _config(engine_id, role, _port(), host)
     sched = KVBridgeConnector(vcfg, KVConnectorRole.SCHEDULER, config)
     worker = KVBridgeConnector(vcfg, KVConnectorRole.WORKER, config)
     caches = allocate(config, kernels)
@@ -70,9 +72,14 @@ def _results(worker, want: str, timeout: float = 15.0):
 
 @pytest.mark.timeout(60)
 def test_hybrid_pull_moves_the_right_bytes() -> None:
-    p_sched, p_worker, p_caches = _pair("prefill-1", "kv_producer")
-    d_sched, d_worker, d_caches = _pair("decode-1", "kv_consumer")
+    # P and D on different addresses (every 127.x address is this host's loopback): each side
+    # announces its own `host`, the Mooncake engine included, so D reaches P and not itself.
+    p_sched, p_worker, p_caches = _pair("prefill-1", "kv_producer", host="127.0.0.2")
+    d_sched, d_worker, d_caches = _pair("decode-1", "kv_consumer", host="127.0.0.3")
     try:
+        assert p_worker.plane.endpoint.startswith("tcp://127.0.0.2:")
+        assert p_worker.plane.transport.session.startswith("127.0.0.2:")
+        assert d_worker.plane.transport.session.startswith("127.0.0.3:")
         # Random bytes in P's one backing buffer (every layer's view shares it).
         raw = torch.empty(0, dtype=torch.uint8).set_(p_caches["a0"].untyped_storage())
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
