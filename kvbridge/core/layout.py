@@ -11,6 +11,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -130,6 +131,12 @@ class GroupRegions:
     @cached_property
     def keys(self) -> list[RegionKey]:
         return [r.key for r in self.regions]
+
+    @cached_property
+    def memo(self) -> dict[Any, Any]:
+        """What planning derives from this group and a peer's once, for every request (the
+        planner's per-peer templates; regions never change once built)."""
+        return {}
 
     def arrays(self) -> dict[str, npt.NDArray[np.int64]]:
         """``base`` (base+offset), ``stride`` and ``length`` per region (read-only, built once:

@@ -19,6 +19,7 @@ cannot decide falls back to building every descriptor, sorting and checking them
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -218,62 +219,96 @@ def _fuse_regions(arrays: tuple[npt.NDArray[np.int64], ...]) -> tuple[npt.NDArra
     return (*fused, np.add.reduceat(n, starts).reshape(shape))
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """A group pair whose blocks are one descriptor per region, every region stepping alike:
+    per-region offsets for block id 0 and the common steps and length."""
+
+    s_off: IdArray
+    d_off: IdArray
+    s_step: int
+    d_step: int
+    length: int
+
+
+def _rows_of(arrays: tuple[npt.NDArray[np.int64], ...]) -> _Rows | None:
+    """``_Rows`` from per-region offsets, steps and lengths, or ``None`` if regions step
+    differently (then every descriptor is built)."""
+    s_off, s_step, d_off, d_step, lengths = (a.reshape(-1) for a in arrays)
+    keys = set(zip(s_step.tolist(), d_step.tolist(), lengths.tolist(), strict=True))
+    if len(keys) != 1:
+        return None
+    ss, ds, length = keys.pop()
+    return _Rows(s_off.copy(), d_off.copy(), ss, ds, length)
+
+
 def _merge_rows(
-    rows: tuple[npt.NDArray[np.int64], ...],
+    rows: _Rows,
     src_ids: npt.NDArray[np.int64],
     dst_ids: npt.NDArray[np.int64],
     sort_runs: bool,
-) -> _GroupDescriptors | None:
+) -> _GroupDescriptors:
     """The in-order merge of a group whose blocks are one descriptor each, done on block ids.
 
-    ``rows`` holds one value per region (row) of offsets, steps and lengths. When every row
-    steps from block to block alike, whether block ``b+1`` continues block ``b`` depends on the
-    ids alone: the runs are found once for all rows, and only each run's first descriptor is
-    ever built. Rows that step differently return ``None`` (the caller builds every descriptor).
+    Every row steps from block to block alike, so whether block ``b+1`` continues block ``b``
+    depends on the ids alone: the runs are found once for all rows, and only each run's first
+    descriptor is ever built.
 
     With ``sort_runs`` each row lists its runs by source address instead of request order. The
     merged plan is the same (maximal runs sorted by source, which are unique when sources do
     not overlap), but regions laid out one after another then come out sorted already, which
     spares ``merge_descriptors`` its sort.
     """
-    s_off, s_step, d_off, d_step, lengths = (a.reshape(-1) for a in rows)
-    keys = set(zip(s_step.tolist(), d_step.tolist(), lengths.tolist(), strict=True))
-    if len(keys) != 1:
-        return None
-    ss, ds, length = keys.pop()
+    ss, ds, length = rows.s_step, rows.d_step, rows.length
     joins = (np.diff(src_ids) * ss == length) & (np.diff(dst_ids) * ds == length)
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))[: src_ids.size]
     blocks = np.diff(np.append(starts, src_ids.size))
     if sort_runs and ss > 0:
         by_address = np.argsort(src_ids[starts], kind="stable")
         starts, blocks = starts[by_address], blocks[by_address]
-    s: npt.NDArray[np.int64] = s_off[:, None] + (src_ids[starts] * ss)[None, :]
-    d: npt.NDArray[np.int64] = d_off[:, None] + (dst_ids[starts] * ds)[None, :]
+    s: npt.NDArray[np.int64] = rows.s_off[:, None] + (src_ids[starts] * ss)[None, :]
+    d: npt.NDArray[np.int64] = rows.d_off[:, None] + (dst_ids[starts] * ds)[None, :]
     n = np.broadcast_to((blocks * length)[None, :], s.shape)
     extents = None
     if 0 < length <= ds and dst_ids.size:
         # Distinct ids (checked) a step apart, each block no longer than the step: a region's
         # blocks never overlap, and all of them lie between its lowest and highest block.
         low, high = int(dst_ids.min()) * ds, int(dst_ids.max()) * ds + length
-        extents = np.stack([d_off + low, d_off + high], axis=1)
+        extents = np.stack([rows.d_off + low, rows.d_off + high], axis=1)
     return _GroupDescriptors(s.reshape(-1), d.reshape(-1), n.reshape(-1), 0, extents)
 
 
-def _plan_group(
-    src: GroupRegions,
-    dst: GroupRegions,
-    src_ids: npt.NDArray[np.int64],
-    dst_ids: npt.NDArray[np.int64],
-    *,
-    collapse: bool,
-    sort_runs: bool = False,
-) -> _GroupDescriptors:
-    """One group's descriptors and how many there are before any merging.
+@dataclass(frozen=True)
+class _PairTemplate:
+    """What planning a group pair needs before any block id: built once per pair of layouts.
 
-    With ``collapse`` units that the in-order merge would join anyway are fused first, and
-    blocks too when that can be done on block ids (``_merge_rows``), so the arrays may be
-    shorter than the count; ``sort_runs`` then lists each region's runs by address.
+    ``arrays`` are offsets, steps and lengths broadcast over ``[region, block, unit(, part)]``
+    (collapsed where ``collapse`` allows), ``per_block`` the descriptors one block needs
+    before merging, ``rows`` the fast path where blocks are one descriptor per region.
     """
+
+    axes: _Axes
+    arrays: tuple[npt.NDArray[np.int64], ...]
+    per_block: int
+    rows: _Rows | None
+
+
+def _template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _PairTemplate:
+    """The pair's template, from ``dst``'s memo (layouts never change once built)."""
+    memo = dst.memo
+    key = (id(src), collapse)
+    found = memo.get(key)
+    if found is not None and found[0]() is src:
+        template: _PairTemplate = found[1]
+        return template
+    template = _build_template(src, dst, collapse)
+    for gone in [k for k, (ref, _) in memo.items() if ref() is None]:
+        del memo[gone]  # peers' layouts that are gone (a restarted prefill, say)
+    memo[key] = (weakref.ref(src), template)
+    return template
+
+
+def _build_template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _PairTemplate:
     # Pair regions by key: the two sides may list layers in different orders.
     order = {key: i for i, key in enumerate(src.keys)}
     pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
@@ -294,16 +329,37 @@ def _plan_group(
     lengths = axes.region(unit_len)
     shape = np.broadcast_shapes(s_off.shape, d_off.shape, lengths.shape)
     arrays = tuple(np.broadcast_to(a, shape) for a in (s_off, s_step, d_off, d_step, lengths))
-    count = math.prod(shape) * int(dst_ids.size)
+    rows = None
     if collapse:
         # Axes after the block axis: [unit, part] with parts inner, else [unit].
         inner_axes = 2 if inner else 1
         arrays = _collapse_units(arrays, inner_axes)
         if math.prod(arrays[0].shape[-inner_axes:]) == 1:
-            merged = _merge_rows(_fuse_regions(arrays), src_ids, dst_ids, sort_runs)
-            if merged is not None:
-                return replace(merged, count=count)
-    s_off, s_step, d_off, d_step, lengths = arrays
+            rows = _rows_of(_fuse_regions(arrays))
+    return _PairTemplate(axes, arrays, math.prod(shape), rows)
+
+
+def _plan_group(
+    src: GroupRegions,
+    dst: GroupRegions,
+    src_ids: npt.NDArray[np.int64],
+    dst_ids: npt.NDArray[np.int64],
+    *,
+    collapse: bool,
+    sort_runs: bool = False,
+) -> _GroupDescriptors:
+    """One group's descriptors and how many there are before any merging.
+
+    With ``collapse`` units that the in-order merge would join anyway are fused first, and
+    blocks too when that can be done on block ids (``_merge_rows``), so the arrays may be
+    shorter than the count; ``sort_runs`` then lists each region's runs by address.
+    """
+    template = _template(src, dst, collapse)
+    count = template.per_block * int(dst_ids.size)
+    if template.rows is not None:
+        return replace(_merge_rows(template.rows, src_ids, dst_ids, sort_runs), count=count)
+    axes = template.axes
+    s_off, s_step, d_off, d_step, lengths = template.arrays
     s = s_off + axes.block(src_ids) * s_step
     d = d_off + axes.block(dst_ids) * d_step
     lengths = np.broadcast_to(lengths, d.shape)

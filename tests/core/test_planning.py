@@ -264,3 +264,16 @@ def test_block_outermost_layers_move_as_one_descriptor_per_run(kv):
     plan = check_plan(pa, p, da, d, {0: [3, 4, 5, 9, 1]}, {0: [6, 7, 8, 2, 12]})
     assert plan.count == 3  # runs 3-5 → 6-8, 9 → 2, 1 → 12
     assert plan.unmerged == 5 * 5 * (1 if kv is KVLayout.WHOLE else 2)
+
+
+def test_a_peer_layout_built_again_is_planned_from_its_own_regions():
+    # The planner keeps per-peer templates; a new peer layout (a restarted prefill, possibly at
+    # the same object id) must never be planned with the template of the old one.
+    da = Arena(next=1 << 20)
+    d = hybrid_layout(da)
+    for shift in (0, 4096, 8192):
+        pa = Arena(next=4096 + shift)
+        p = hybrid_layout(pa, reverse_tensors=bool(shift % 8192))
+        check_plan(pa, p, da, d, {0: [1, 2], 1: [0, 4]}, {0: [8, 9], 1: [0, 3]})
+        del p
+    assert len(d.group_regions[0].memo) <= 1  # templates of gone peers are dropped
