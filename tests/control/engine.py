@@ -85,11 +85,13 @@ def main() -> None:
     timeout = float(config.get("timeout", options.get("timeout", 10.0)))
     options["timeout"] = timeout
     transport = kvbridge.load_transport(config["transport"], **options)
+    # ``host``: the side channel's address (the plane's own default unless the test sets one).
+    where = {"host": config["host"]} if "host" in config else {}
     plane = ControlPlane(
         layout, transport, engine_id=config.get("engine_id"), secret=config.get("secret"),
         timeout=timeout, lease=config.get("lease", 30.0),
         handshake_timeout=config.get("handshake_timeout", 5.0),
-        verify=config.get("verify", "off"),
+        verify=config.get("verify", "off"), **where,
     )  # fmt: skip
     for fault in config.get("faults", ()):
         inject_fault(plane, fault)
@@ -152,6 +154,9 @@ def handle(
         return [hashlib.sha256(b.tobytes()).hexdigest() for b in arena.buffers]
     if name == "held":
         return plane.held
+    if name == "transport":  # what the transport announces to peers (Mooncake: its session)
+        return {"name": plane.transport.name,
+                "session": getattr(plane.transport, "session", None)}  # fmt: skip
     if name == "pending_push":
         with plane._lock:
             return sorted(plane._prefill._pending_push)
@@ -278,13 +283,18 @@ class EngineProcess:
     log_path: Path | None = None
 
     @classmethod
-    def start(cls, tmp_path: Path, role: str, **config: Any) -> EngineProcess:
+    def start(
+        cls, tmp_path: Path, role: str, *, netns: str | None = None, **config: Any
+    ) -> EngineProcess:
+        """Start an engine; ``netns``: run it in that network namespace (``ip netns exec``)."""
         config.setdefault("num_blocks", 512)
         config.setdefault("seed", abs(hash(role)) % 10_000)
         log_path = tmp_path / f"{role}.log"
         log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+        # ``ip netns exec`` execs the command in place: the process is still the engine itself.
+        prefix = ["ip", "netns", "exec", netns] if netns else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.control.engine", json.dumps(config)],
+            [*prefix, sys.executable, "-m", "tests.control.engine", json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
         )  # fmt: skip
         engine = cls(proc, {}, config, log_path)
