@@ -3,6 +3,8 @@
 ``kvbridge bench planning`` times planning one request per model shape, request size and
 block-id pattern; ``kvbridge bench transfer`` moves a request between two processes through
 every usable transport, beside the raw engine call and memcpy; ``kvbridge bench`` runs both.
+``kvbridge bench vllm-planning`` (needs vLLM) plans requests with kvbridge and with vLLM's own
+Mooncake connector code on the same vLLM-allocated caches and block ids, per vLLM KV layout.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kvbridge
 from kvbridge.bench.cases import CASES, PATTERN_HELP, PATTERNS
 from kvbridge.bench.report import grids, targets
+from kvbridge.bench.vllm_planning import (
+    VLLM_LAYOUTS,
+    VLLM_PATTERN_HELP,
+    VLLM_PATTERNS,
+    VLLM_SHAPES,
+)
 from kvbridge.core.registry import available_transports
 
 DEFAULT_TOKENS = (1024, 8192, 32768, 131072)
+#: vLLM's physical KV cache layouts (``KVCacheLayout``), spelled out so the parser needs no vLLM.
+ALL_VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 
 class BenchUsageError(ValueError):
@@ -41,16 +51,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "what", nargs="?", choices=["all", "planning", "transfer"], default="all",
-        help="which benchmark to run (default: both)",
+        "what", nargs="?", choices=["all", "planning", "transfer", "vllm-planning"],
+        default="all",
+        help="which benchmark to run (default: all = planning and transfer)",
     )  # fmt: skip
     p.add_argument(
-        "--shapes", nargs="+", default=list(CASES), metavar="SHAPE",
-        help=f"model shapes (default: all): {', '.join(CASES)}",
+        "--shapes", nargs="+", default=None, metavar="SHAPE",
+        help=f"model shapes (default: all): {', '.join(CASES)} (vllm-planning: "
+        f"{', '.join(VLLM_SHAPES)})",
     )  # fmt: skip
     p.add_argument(
         "--layers", type=int, default=None, metavar="N",
-        help="keep only the first N layers of each model (quicker, smaller runs)",
+        help="keep only the first N layers of each model (quicker, smaller runs; vllm-planning: "
+        "at most N)",
     )  # fmt: skip
     plan = p.add_argument_group("planning")
     plan.add_argument(
@@ -58,8 +71,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="prompt lengths to plan (default: 1k 8k 32k 128k)",
     )  # fmt: skip
     plan.add_argument(
-        "--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS), help=PATTERN_HELP
-    )
+        "--patterns", nargs="+", choices=list(dict.fromkeys(PATTERNS + VLLM_PATTERNS)),
+        default=None,
+        help=f"{PATTERN_HELP} (default: these three). vllm-planning: {VLLM_PATTERN_HELP} "
+        "(default: these three)",
+    )  # fmt: skip
     plan.add_argument(
         "--plan-runs", type=int, default=7, metavar="N",
         help="timed runs per measurement, at least (default 7)",
@@ -86,6 +102,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="timed repetitions of each way of moving it, after a verified warm-up (default 8)",
     )  # fmt: skip
     move.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
+    vp = p.add_argument_group("vllm-planning (--tokens and --patterns above also apply)")
+    vp.add_argument(
+        "--layouts", nargs="+", choices=ALL_VLLM_LAYOUTS, default=list(VLLM_LAYOUTS),
+        help=f"vLLM KV cache layouts (default: {' '.join(VLLM_LAYOUTS)})",
+    )  # fmt: skip
+    vp.add_argument(
+        "--vllm-runs", type=int, default=5, metavar="N",
+        help="timed runs per planner and cell, median reported (default 5)",
+    )  # fmt: skip
+    vp.add_argument(
+        "--memory-gib", type=float, default=6.0, metavar="GIB",
+        help="most cache memory per worker (P and D each); bigger cells measure fewer layers and "
+        "estimate the model's time from two layer counts (default 6)",
+    )  # fmt: skip
+    vp.add_argument(
+        "--no-estimate", action="store_true",
+        help="measure cells cut to fewer layers once only, without the full-model estimate",
+    )  # fmt: skip
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON, no tables")
     out.add_argument("--output", type=Path, default=None, help="also write the JSON to a file")
@@ -125,9 +159,23 @@ def _transports(requested: Sequence[str] | None) -> tuple[list[str], list[dict[s
 
 
 def _check(args: argparse.Namespace) -> None:
-    unknown = [s for s in args.shapes if s not in CASES]
+    """Validate the options, filling in the defaults that depend on the benchmark."""
+    vllm = args.what == "vllm-planning"
+    shapes, patterns = (VLLM_SHAPES, VLLM_PATTERNS) if vllm else (CASES, PATTERNS)
+    if args.shapes is None:
+        args.shapes = list(shapes)
+    if args.patterns is None:
+        args.patterns = list(patterns)
+    unknown = [s for s in args.shapes if s not in shapes]
     if unknown:
-        raise BenchUsageError(f"unknown shape(s) {unknown}; choose from {', '.join(CASES)}")
+        raise BenchUsageError(f"unknown shape(s) {unknown}; choose from {', '.join(shapes)}")
+    wrong = [p for p in args.patterns if p not in patterns]
+    if wrong:
+        raise BenchUsageError(
+            f"pattern(s) {wrong} are not {args.what}'s; choose from {', '.join(patterns)}"
+        )
+    if vllm and (args.vllm_runs < 1 or args.memory_gib <= 0):
+        raise BenchUsageError("--vllm-runs and --memory-gib must be positive")
     if any(t < 1 for t in args.tokens) or args.plan_runs < 1 or args.reps < 1:
         raise BenchUsageError("--tokens, --plan-runs and --reps must be positive")
     if args.plan_seconds < 0:
@@ -174,6 +222,12 @@ def command_line(args: argparse.Namespace) -> str:
         if args.transports is not None:
             words += ["--transports", *args.transports]
         words += ["--transfer-mib", f"{args.transfer_mib:g}", "--reps", str(args.reps)]
+    if args.what == "vllm-planning":
+        words += ["--tokens", *map(str, args.tokens), "--patterns", *args.patterns]
+        words += ["--layouts", *args.layouts, "--vllm-runs", str(args.vllm_runs)]
+        words += ["--memory-gib", f"{args.memory_gib:g}"]
+        if args.no_estimate:
+            words.append("--no-estimate")
     return shlex.join(words)
 
 
@@ -193,6 +247,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     total = 0
     if args.what in ("all", "planning"):
         total += len(args.shapes) * len(args.tokens) * len(args.patterns)
+    if args.what == "vllm-planning":
+        total += len(args.shapes) * len(args.layouts) * len(args.tokens) * len(args.patterns)
     settings = None
     if args.what in ("all", "transfer"):
         names, skipped = _transports(args.transports)
@@ -211,7 +267,26 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
         if settings is not None:
             doc["transfer"] = run_transfer(settings, advance)
+        if args.what == "vllm-planning":
+            doc["vllm_planning"] = _run_vllm_planning(args, advance)
     return doc
+
+
+def _run_vllm_planning(args: argparse.Namespace, advance: Callable[[str], None]) -> dict[str, Any]:
+    try:
+        from kvbridge.bench.vllm_planning import run_vllm_planning
+
+        return run_vllm_planning(
+            args.shapes, args.tokens, args.patterns, args.layouts, runs=args.vllm_runs,
+            memory_gib=args.memory_gib, max_layers=args.layers, estimate=not args.no_estimate,
+            advance=advance,
+        )  # fmt: skip
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] not in ("vllm", "torch"):
+            raise
+        raise BenchUsageError(
+            f"vllm-planning needs vLLM (and torch) installed: {err}; see the README"
+        ) from None
 
 
 def print_results(doc: dict[str, Any], console: Console, markdown: bool = False) -> None:
