@@ -107,15 +107,20 @@ def pool_size(case: BenchCase, prompt_tokens: int, pattern: str, num_layers: int
 
 
 def request_ids(
-    layout: Layout, prompt_tokens: int, pattern: str, rng: np.random.Generator
+    layout: Layout,
+    prompt_tokens: int,
+    pattern: str,
+    rng: np.random.Generator,
+    order: Callable[[str, int, np.random.Generator], list[int]] = pool_order,
 ) -> BlockIds:
     """Block ids one engine holds for a request's remote-prefilled tokens.
 
     As ``kvbridge.example_layouts.request_block_ids``: groups draw from one pool (vLLM's hybrid
-    allocator), STATE groups hold null placeholders for every block but the last.
+    allocator), STATE groups hold null placeholders for every block but the last. ``order``
+    lists the pool's free ids for ``pattern``.
     """
     tokens = remote_prefill_token_count(prompt_tokens, layout.has_state)
-    pool = pool_order(pattern, min(g.num_blocks for g in layout.groups.values()), rng)
+    pool = order(pattern, min(g.num_blocks for g in layout.groups.values()), rng)
     ids: BlockIds = {}
     taken = 0
     for index, group in sorted(layout.groups.items()):

@@ -57,8 +57,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.bench import cases
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
-from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.model_shapes import (
@@ -445,23 +445,8 @@ def pool_order(pattern: str, pool_size: int, rng: np.random.Generator) -> list[i
 def request_ids(
     layout: Layout, prompt_tokens: int, pattern: str, rng: np.random.Generator
 ) -> BlockIds:
-    """A request's block ids per group: one pool for all groups (vLLM's hybrid allocator), STATE
-    groups with null placeholders for every block but the last (Mamba ``align`` mode)."""
-    tokens = remote_prefill_token_count(prompt_tokens, layout.has_state)
-    pool = pool_order(pattern, min(g.num_blocks for g in layout.groups.values()), rng)
-    ids: BlockIds = {}
-    taken = 0
-    for index, group in sorted(layout.groups.items()):
-        count = blocks_for_tokens(tokens, group.block_size)
-        if group.kind is GroupKind.STATE:
-            ids[index] = [group.null_block_id] * (count - 1) + [pool[taken]]
-            taken += 1
-        else:
-            ids[index] = pool[taken : taken + count]
-            taken += count
-    if taken > len(pool):
-        raise ValueError(f"the pool of {len(pool)} free blocks cannot hold {taken} blocks")
-    return ids
+    """A request's block ids per group, drawn from this benchmark's patterns."""
+    return cases.request_ids(layout, prompt_tokens, pattern, rng, order=pool_order)
 
 
 def pool_blocks(shape: ModelShape, prompt_tokens: int) -> int:

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -348,3 +349,31 @@ class EngineProcess:
 
 if __name__ == "__main__":
     main()
+
+
+def run_requests(
+    p: EngineProcess,
+    d: EngineProcess,
+    count: int,
+    mode: str,
+    rng: random.Random,
+    p_alloc: BlockAllocator,
+    d_alloc: BlockAllocator,
+    prefix: str = "r",
+) -> list[tuple[dict[int, list[int]], dict[int, list[int]]]]:
+    """Publish ``count`` requests of mixed sizes on P, load them all at once on D; the block
+    ids of each request on both sides, for checking the bytes."""
+    pairs, params = [], []
+    for i in range(count):
+        tokens = rng.randint(1, 300)
+        p_ids, d_ids = p_alloc.request(tokens), d_alloc.request(tokens)
+        rid = f"{prefix}{i}"
+        params.append(p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=tokens,
+                             mode=mode))  # fmt: skip
+        pairs.append((p_ids, d_ids))
+    for prm, (_, d_ids) in zip(params, pairs, strict=True):
+        assert d.call(cmd=mode, params=prm, block_ids=d_ids) == {"started": True}
+    for prm in params:
+        out = d.call(cmd="wait", request_id=prm["request_id"], timeout=60)
+        assert out["ok"], out["reason"]
+    return pairs

@@ -7,27 +7,9 @@ import time
 
 import pytest
 
-from tests.control.engine import BlockAllocator
+from tests.control.engine import BlockAllocator, run_requests
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def run_requests(p, d, count, mode, rng, p_alloc, d_alloc, prefix="r"):
-    """Publish ``count`` requests of mixed sizes on P, load them all at once on D."""
-    pairs, params = [], []
-    for i in range(count):
-        tokens = rng.randint(1, 300)
-        p_ids, d_ids = p_alloc.request(tokens), d_alloc.request(tokens)
-        rid = f"{prefix}{i}"
-        params.append(p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=tokens,
-                             mode=mode))  # fmt: skip
-        pairs.append((p_ids, d_ids))
-    for prm, (_, d_ids) in zip(params, pairs, strict=True):
-        assert d.call(cmd=mode, params=prm, block_ids=d_ids) == {"started": True}
-    for prm in params:
-        out = d.call(cmd="wait", request_id=prm["request_id"], timeout=60)
-        assert out["ok"], out["reason"]
-    return pairs
 
 
 def check_bytes(d, sources):

@@ -19,7 +19,7 @@ import pytest
 
 from kvbridge.core.registry import load_transport_class
 from tests.control.conftest import USABLE
-from tests.control.engine import BlockAllocator, EngineProcess
+from tests.control.engine import BlockAllocator, EngineProcess, run_requests
 from tests.netns import Host, NamespacesUnavailable, leftovers, two_hosts
 
 pytestmark = pytest.mark.timeout(90)
@@ -84,21 +84,10 @@ def test_requests_cross_from_one_host_to_the_other(
             assert described["session"].startswith(f"{host.address}:"), described
     p_before, d_before = p_host.counters(), d_host.counters()
 
-    # Requests of mixed sizes, published on P, then loaded on D all at once (as test_flow's).
+    # Requests of mixed sizes, published on P, then loaded on D all at once.
     rng = random.Random(13)
     p_alloc, d_alloc = BlockAllocator(p.layout, 14), BlockAllocator(d.layout, 15)
-    pairs, params = [], []
-    for i in range(12):
-        tokens = rng.randint(1, 300)
-        p_ids, d_ids = p_alloc.request(tokens), d_alloc.request(tokens)
-        params.append(p.call(cmd="publish", request_id=f"r{i}", block_ids=p_ids,
-                             num_tokens=tokens, mode=mode))  # fmt: skip
-        pairs.append((p_ids, d_ids))
-    for prm, (_, d_ids) in zip(params, pairs, strict=True):
-        assert d.call(cmd=mode, params=prm, block_ids=d_ids) == {"started": True}
-    for prm in params:
-        out = d.call(cmd="wait", request_id=prm["request_id"], timeout=60)
-        assert out["ok"], out["reason"]
+    pairs = run_requests(p, d, 12, mode, rng, p_alloc, d_alloc)
 
     # Every byte of D's cache: the requests' blocks hold P's bytes, the rest is untouched.
     verified = d.call(cmd="verify", timeout=120, sources=[{"config": p.config, "pairs": pairs}])
