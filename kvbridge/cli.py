@@ -14,18 +14,32 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvbridge.bench import add_parser as add_bench_parser
-from kvbridge.core.errors import KvbridgeError
+from kvbridge.core.errors import KvbridgeError, TransportNotFoundError, TransportUnavailableError
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
-from kvbridge.core.registry import available_transports
+from kvbridge.core.registry import available_transports, load_transport_class
 from kvbridge.core.transport import TransferOp
+from kvbridge.model_shapes import SHAPES
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's own when run from a bare tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvbridge")
+    except metadata.PackageNotFoundError:
+        import kvbridge
+
+        return str(getattr(kvbridge, "__version__", "unknown"))
 
 
 def _read_json(path: Path, what: str) -> bytes:
@@ -66,7 +80,12 @@ def cmd_transports(args: argparse.Namespace, console: Console) -> int:
     for column in ("name", "package", "usable", "why not"):
         table.add_column(column)
     for info in infos:
-        table.add_row(info.name, info.package, "yes" if info.usable else "no", info.reason)
+        # Plugin names, packages and engine messages are text, not rich markup: an install hint
+        # such as `pip install 'kvbridge[mooncake]'` must print as written.
+        table.add_row(
+            escape(info.name), escape(info.package), "yes" if info.usable else "no",
+            escape(info.reason),
+        )  # fmt: skip
     console.print(table if infos else "no transport is installed")
     return 0
 
@@ -134,7 +153,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 def _demo_tables(results: list[Any], config: Any) -> list[Table]:
     first = results[0]
     groups = Table(
-        title=f"request: {config.shape} KV cache, prompt {config.prompt_tokens:,} tokens"
+        title=f"request: {escape(config.shape)} KV cache, prompt {config.prompt_tokens:,} tokens"
     )
     for column in ("group", "kind", "regions", "blocks", "descriptors", "bytes"):
         groups.add_column(column, justify="right")
@@ -147,7 +166,7 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
     transfer = Table(title=f"{how}: two processes on 127.0.0.1, control plane over zmq")
     transfer.add_column("")
     for r in results:
-        transfer.add_column(r.transport, justify="right")
+        transfer.add_column(escape(r.transport), justify="right")
     rows: list[tuple[str, Callable[[Any], str]]] = [
         ("descriptors before merging", lambda r: f"{r.descriptors_before:,}"),
         ("descriptors after merging", lambda r: f"{r.descriptors_after:,}"),
@@ -157,23 +176,73 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
         ("transfer (s)", lambda r: f"{r.transfer_seconds:.3f}"),
         ("throughput (GB/s)", lambda r: f"{r.gbps:.2f}"),
         ("decode bytes verified", lambda r: f"{r.verified_bytes:,}"),
-        ("prefill blocks", lambda r: r.prefill_outcome),
+        ("prefill blocks", lambda r: escape(r.prefill_outcome)),
     ]
     for label, cell in rows:
         transfer.add_row(label, *(cell(r) for r in results))
     return [groups, transfer]
 
 
+def _usable_transports_hint() -> str:
+    usable = [info.name for info in available_transports() if info.usable]
+    return (
+        f"usable transports here: {', '.join(usable) or 'none'}; pass one with --transport "
+        "(or --transport all); `kvbridge transports` shows why others are not usable"
+    )
+
+
+def _check_demo_transport(name: str) -> None:
+    """Refuse, before any process starts, a transport that is not installed or cannot run."""
+    try:
+        load_transport_class(name)
+    except TransportNotFoundError:
+        raise CliError(f"no transport named {name!r}; {_usable_transports_hint()}") from None
+    except TransportUnavailableError as err:
+        raise CliError(
+            f"transport {name!r} cannot run here: {err}; {_usable_transports_hint()}"
+        ) from None
+    except KvbridgeError as err:
+        raise CliError(f"transport {name!r}: {err}") from None
+
+
+def _check_demo_request(args: argparse.Namespace) -> None:
+    """Refuse, before any process starts, a shape or request the demo cannot build."""
+    import numpy as np
+
+    from kvbridge.example_layouts import request_block_ids
+    from kvbridge.model_shapes import bump_allocator, layout_spec
+
+    if args.shape not in SHAPES:
+        raise CliError(
+            f"no model shape named {args.shape!r}; pass one of {', '.join(sorted(SHAPES))} "
+            "with --shape"
+        )
+    try:
+        spec = layout_spec(
+            SHAPES[args.shape], args.num_blocks, bump_allocator(1 << 40), num_layers=args.layers
+        )
+        request_block_ids(Layout(spec), args.prompt_tokens, np.random.default_rng(0))
+    except (KvbridgeError, ValueError) as err:
+        raise CliError(f"demo request: {err}") from None
+    except IndexError:  # the pool ran out of block ids
+        raise CliError(
+            f"--prompt-tokens {args.prompt_tokens} needs more blocks than --num-blocks "
+            f"{args.num_blocks} holds; raise --num-blocks or lower --prompt-tokens"
+        ) from None
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from kvbridge.control.plane import Mode
     from kvbridge.demo import DemoConfig, DemoError, run_demo
 
+    _check_demo_request(args)
     if args.transport == "all":
         names = [info.name for info in available_transports() if info.usable]
         if not names:
             raise CliError("no usable transport is installed; see `kvbridge transports`")
     else:
         names = [args.transport]
+        _check_demo_transport(args.transport)
     results = []
     log_dir = tempfile.mkdtemp(prefix="kvbridge-demo-")
     for name in names:
@@ -196,16 +265,27 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"remote prefill tokens: {results[0].remote_prefill_tokens:,} "
             f"(N-1 for a model with recurrent state); every byte of the decode cache checked; "
-            f"engine logs in {log_dir}",
+            f"engine logs in {escape(log_dir)}",
             soft_wrap=True,
         )
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge", description="KV-cache transfer for prefill/decode disaggregation."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("transports", help="list installed transports and whether they are usable")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -225,10 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="move a hybrid model's KV cache between two processes")
     p.add_argument("--transport", default="mooncake", help="transport name, or 'all'")
-    p.add_argument("--shape", default="qwen3.5-hybrid", help="model shape (see examples/)")
-    p.add_argument("--prompt-tokens", type=int, default=8192)
-    p.add_argument("--num-blocks", type=int, default=32, help="blocks per cache tensor")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument(
+        "--shape", default="qwen3.5-hybrid", help=f"model shape: {', '.join(sorted(SHAPES))}"
+    )
+    p.add_argument("--prompt-tokens", type=_positive_int, default=8192)
+    p.add_argument("--num-blocks", type=_positive_int, default=32, help="blocks per cache tensor")
+    p.add_argument(
+        "--layers", type=_positive_int, default=None, help="keep only the first N layers"
+    )
     p.add_argument(
         "--mode",
         choices=["pull", "push"],

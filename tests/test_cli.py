@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvbridge import cli
 from kvbridge.cli import main
 from kvbridge.core import Layout, plan_transfers
+from kvbridge.core.registry import TransportInfo
 from kvbridge.example_layouts import example_files
 from kvbridge.model_shapes import SHAPES
 
@@ -97,3 +102,114 @@ def test_transports_lists_the_entry_points():
     assert result.returncode == 0
     names = {t["name"] for t in json.loads(result.stdout)}
     assert "mooncake" in names
+
+
+# --- issue 15, item 4: what a new operator ran into ---
+
+# A missing engine, as a process sees it: ``import mooncake`` fails.
+NO_MOONCAKE = "import sys; sys.modules['mooncake'] = None; from kvbridge.cli import main; sys.exit(main({args!r}))"
+
+
+def _run_without_mooncake(*args: str) -> subprocess.CompletedProcess[str]:
+    code = NO_MOONCAKE.format(args=list(args))
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "COLUMNS": "400"},
+    )  # fmt: skip
+
+
+def test_transports_prints_a_missing_engines_install_hint_as_written():
+    result = _run_without_mooncake("transports")
+    assert result.returncode == 0, result.stderr
+    # rich took `[mooncake]` for markup and printed `pip install 'kvbridge'`
+    assert "pip install 'kvbridge[mooncake]'" in result.stdout
+
+
+def test_transports_prints_plugin_text_that_looks_like_markup(monkeypatch, capsys):
+    texts = ("odd[bold]", "pkg[x] 1.0", "needs [/] and [red]this[/red]; pip install 'p[e]'")
+    info = TransportInfo(texts[0], texts[1], False, texts[2])
+    monkeypatch.setattr(cli, "available_transports", lambda: [info])
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["transports"]) == 0  # `[/]` alone made rich raise MarkupError
+    out = capsys.readouterr().out
+    for text in texts:
+        assert text in out
+
+
+def _assert_one_line_usage_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("kvbridge: error:")
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--transport", "nosuch"], ["'nosuch'", "usable transports here: cma", "--transport"]),
+        (["--shape", "nosuch"], ["'nosuch'", "qwen3.5-hybrid", "--shape"]),
+        (["--prompt-tokens", "100000", "--num-blocks", "8"], ["--num-blocks 8", "--prompt-tokens 100000"]),
+    ],
+)  # fmt: skip
+def test_demo_refuses_what_it_cannot_run_before_starting_processes(args, words):
+    start = time.monotonic()
+    result = _run("demo", *args, "--timeout", "30")
+    # it used to start both processes and print a child's traceback after about 14 s
+    assert time.monotonic() - start < 10
+    _assert_one_line_usage_error(result, *words)
+
+
+def test_demo_without_the_engine_names_what_to_install():
+    start = time.monotonic()
+    result = _run_without_mooncake("demo", "--timeout", "30")
+    assert time.monotonic() - start < 10
+    _assert_one_line_usage_error(
+        result, "'mooncake' cannot run here", "kvbridge[mooncake]", "usable transports here: cma"
+    )
+
+
+@pytest.mark.parametrize(
+    "args", [["--transport", "nosuch"], ["--shape", "nosuch"], ["--num-blocks", "1"]]
+)
+def test_demo_starts_no_process_for_a_bad_request(args, monkeypatch, capsys):
+    import kvbridge.demo
+
+    def run_demo(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the demo started its processes")
+
+    monkeypatch.setattr(kvbridge.demo, "run_demo", run_demo)
+    assert main(["demo", *args]) == 2
+    assert "kvbridge: error:" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version():
+    result = _run("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"kvbridge {metadata.version('kvbridge')}"
+
+
+def test_the_installed_metadata_declares_the_extras_and_the_proxy_command():
+    meta = metadata.metadata("kvbridge")
+    assert meta["License-Expression"] == "Apache-2.0"
+    extras = set(meta.get_all("Provides-Extra") or [])
+    assert {"mooncake", "mooncake-cuda", "proxy", "nixl", "testing", "dev"} <= extras
+    proxy_reqs = [r for r in metadata.requires("kvbridge") or [] if 'extra == "proxy"' in r]
+    names = {r.split(">")[0].split(";")[0].strip() for r in proxy_reqs}
+    assert names == {"httpx", "fastapi", "uvicorn"}
+    (script,) = metadata.entry_points(group="console_scripts", name="kvbridge-proxy")
+    assert script.value == "kvbridge.adapters.vllm.proxy:main"
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+    assert (Path(cli.__file__).parent / "py.typed").is_file()
+
+
+def test_kvbridge_proxy_command_runs():
+    for module in ("httpx", "fastapi", "uvicorn"):
+        pytest.importorskip(module, reason="the proxy extra is not installed")
+    script = Path(sys.executable).parent / "kvbridge-proxy"
+    assert script.is_file(), "run `pip install -e .` to install the console scripts"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--prefill" in result.stdout and "--decode" in result.stdout
