@@ -54,7 +54,7 @@ ENGINE_MIN_TIMEOUT_S = 5
 
 _INSTALL_HINT = (
     "pip install 'kvbridge[mooncake]' (package mooncake-transfer-engine-non-cuda; "
-    "on a CUDA machine install mooncake-transfer-engine instead)"
+    "on a CUDA machine pip install 'kvbridge[mooncake-cuda]' instead)"
 )
 _ENGINE_ERRORS = {-7: "the range overlaps one already registered (Mooncake forbids overlaps)"}
 
