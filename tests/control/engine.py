@@ -155,6 +155,11 @@ def handle(
         return [hashlib.sha256(b.tobytes()).hexdigest() for b in arena.buffers]
     if name == "held":
         return plane.held
+    if name == "reading":  # D: loads whose transfer is in the transport, or that have ended
+        with plane._decode._lock:
+            reading = [r for r, p in plane._decode._pending.items() if p.handle is not None]
+        with plane._finished_cond:
+            return sorted([*reading, *plane._finished])
     if name == "transport":  # what the transport announces to peers (Mooncake: its session)
         return {"name": plane.transport.name,
                 "session": getattr(plane.transport, "session", None)}  # fmt: skip

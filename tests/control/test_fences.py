@@ -97,8 +97,9 @@ def test_prefill_frozen_during_pull_holds_decode_blocks_until_fenced(engines, tr
     assert d.call(cmd="wait", request_id="warm")["ok"]
     params = publish(p, "frozen-p", tokens=4000, seed=5)
     d.call(cmd="pull", params=params, block_ids=d_alloc.request(4000))
-    # D has claimed the blocks (P knows the puller): freeze P now, with the read under way.
-    wait_for(lambda: p.call(cmd="pullers").get("frozen-p"), 10, step=0.001)
+    # Freeze P once D's read is under way. (Not as soon as P knows the puller: P may then be
+    # stopped before its answer to D's claim leaves, and D fails the claim with nothing read.)
+    wait_for(lambda: "frozen-p" in d.call(cmd="reading"), 10, step=0.001)
     p.kill(signal.SIGSTOP)
     start = time.monotonic()
     time.sleep(TIMEOUT + 3)
