@@ -54,7 +54,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
-from kvbridge.core.registry import load_transport_class
+from kvbridge.core.registry import load_transport, load_transport_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -451,7 +451,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             # The transport announces the address peers reach it at: the side channel's host
             # unless the transport's own option says otherwise.
             options.setdefault(transport_cls.host_option, self.options.host)
-        transport = transport_cls(**options)
+        # Through the module's ``load_transport``: the e2e fault injection wraps it there.
+        transport = load_transport(self.options.transport, **options)
         self.plane = ControlPlane(
             Layout(spec), transport, engine_id=self.engine_id, host=self.options.host,
             port=self.options.port + tp_rank, secret=self.options.secret,
