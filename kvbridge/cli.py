@@ -209,7 +209,7 @@ def _check_demo_request(args: argparse.Namespace) -> None:
     """Refuse, before any process starts, a shape or request the demo cannot build."""
     import numpy as np
 
-    from kvbridge.example_layouts import request_block_ids
+    from kvbridge.example_layouts import PoolExhaustedError, request_block_ids
     from kvbridge.model_shapes import bump_allocator, layout_spec
 
     if args.shape not in SHAPES:
@@ -222,13 +222,13 @@ def _check_demo_request(args: argparse.Namespace) -> None:
             SHAPES[args.shape], args.num_blocks, bump_allocator(1 << 40), num_layers=args.layers
         )
         request_block_ids(Layout(spec), args.prompt_tokens, np.random.default_rng(0))
-    except (KvbridgeError, ValueError) as err:
-        raise CliError(f"demo request: {err}") from None
-    except IndexError:  # the pool ran out of block ids
+    except PoolExhaustedError:
         raise CliError(
             f"--prompt-tokens {args.prompt_tokens} needs more blocks than --num-blocks "
             f"{args.num_blocks} holds; raise --num-blocks or lower --prompt-tokens"
         ) from None
+    except (KvbridgeError, ValueError) as err:
+        raise CliError(f"demo request: {err}") from None
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:

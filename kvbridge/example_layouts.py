@@ -30,24 +30,39 @@ def fragmented_pool(pool_size: int, rng: np.random.Generator, max_run: int = 8) 
     return [int(b) for i in order for b in runs[i]]
 
 
-def request_block_ids(
-    layout: Layout, prompt_tokens: int, rng: np.random.Generator
-) -> dict[int, list[int]]:
-    """Block ids one engine would hold for a request's remote-prefilled tokens.
+class PoolExhaustedError(ValueError):
+    """A request needs more blocks than the pool holds."""
+
+
+def draw_request_ids(layout: Layout, prompt_tokens: int, pool: list[int]) -> dict[int, list[int]]:
+    """Block ids one engine holds for a request's remote-prefilled tokens, taken from ``pool``
+    (free ids in the order an allocator hands them out).
 
     Groups draw from one pool (as vLLM's hybrid allocator does), so their ids never collide;
     STATE groups hold null placeholders for every block but the last.
     """
     tokens = remote_prefill_token_count(prompt_tokens, layout.has_state)
-    pool = fragmented_pool(min(g.num_blocks for g in layout.groups.values()), rng)
     ids: dict[int, list[int]] = {}
+    taken = 0
     for index, group in sorted(layout.groups.items()):
         count = blocks_for_tokens(tokens, group.block_size)
         if group.kind is GroupKind.STATE:
-            ids[index] = [group.null_block_id] * (count - 1) + [pool.pop(0)]
+            ids[index] = [group.null_block_id] * (count - 1) + pool[taken : taken + 1]
+            taken += 1
         else:
-            ids[index], pool = pool[:count], pool[count:]
+            ids[index] = pool[taken : taken + count]
+            taken += count
+    if taken > len(pool):
+        raise PoolExhaustedError(f"the pool of {len(pool)} free blocks cannot hold {taken} blocks")
     return ids
+
+
+def request_block_ids(
+    layout: Layout, prompt_tokens: int, rng: np.random.Generator
+) -> dict[int, list[int]]:
+    """``draw_request_ids`` from a fragmented pool (a busy allocator's free list)."""
+    pool = fragmented_pool(min(g.num_blocks for g in layout.groups.values()), rng)
+    return draw_request_ids(layout, prompt_tokens, pool)
 
 
 def example_files(shape: ModelShape, seed: int = 0) -> dict[str, object]:

@@ -15,7 +15,7 @@ import numpy as np
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
-from kvbridge.example_layouts import fragmented_pool
+from kvbridge.example_layouts import draw_request_ids, fragmented_pool
 from kvbridge.model_shapes import (
     DEEPSEEK_MLA,
     GPT_OSS_SLIDING,
@@ -113,27 +113,11 @@ def request_ids(
     rng: np.random.Generator,
     order: Callable[[str, int, np.random.Generator], list[int]] = pool_order,
 ) -> BlockIds:
-    """Block ids one engine holds for a request's remote-prefilled tokens.
-
-    As ``kvbridge.example_layouts.request_block_ids``: groups draw from one pool (vLLM's hybrid
-    allocator), STATE groups hold null placeholders for every block but the last. ``order``
-    lists the pool's free ids for ``pattern``.
-    """
-    tokens = remote_prefill_token_count(prompt_tokens, layout.has_state)
+    """Block ids one engine holds for a request's remote-prefilled tokens
+    (``kvbridge.example_layouts.draw_request_ids``); ``order`` lists the pool's free ids for
+    ``pattern``."""
     pool = order(pattern, min(g.num_blocks for g in layout.groups.values()), rng)
-    ids: BlockIds = {}
-    taken = 0
-    for index, group in sorted(layout.groups.items()):
-        count = blocks_for_tokens(tokens, group.block_size)
-        if group.kind is GroupKind.STATE:
-            ids[index] = [group.null_block_id] * (count - 1) + [pool[taken]]
-            taken += 1
-        else:
-            ids[index] = pool[taken : taken + count]
-            taken += count
-    if taken > len(pool):
-        raise ValueError(f"the pool of {len(pool)} free blocks cannot hold {taken} blocks")
-    return ids
+    return draw_request_ids(layout, prompt_tokens, pool)
 
 
 def source_root() -> Path | None:

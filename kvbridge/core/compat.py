@@ -60,7 +60,7 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
             # Different kernel blocks are split into token units: only right where every
             # region lists tokens in order.
             scattered = [
-                _fmt(key) for key in sorted(set(ra) & set(rb))
+                key for key in sorted(set(ra) & set(rb))
                 if not (ra[key].token_major and rb[key].token_major)
             ]  # fmt: skip
             if scattered:
@@ -77,8 +77,8 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
 _LISTED = 4
 
 
-def _names(keys: list[RegionKey] | list[str]) -> str:
-    names = [k if isinstance(k, str) else _fmt(k) for k in keys]
+def _names(keys: list[RegionKey]) -> str:
+    names = [_fmt(k) for k in keys]
     more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
     return "[" + ", ".join(names[:_LISTED]) + more + "]"
 

@@ -184,17 +184,16 @@ def _aliased_layer(by_group: dict[int, list[list[CacheTensor]]], num_blocks: int
     apart (LHBNC) beside a group laid out otherwise (a GDN state page) breaks that: vLLM 0.32
     allows it, and a transfer of one request's blocks would then write another request's bytes.
     """
-    layers = [(g, tensors) for g, per_layer in by_group.items() for tensors in per_layer]
-    for i, (g, a) in enumerate(layers):
-        for h, b in layers[i + 1 :]:
-            if g == h or not (_spans_beyond_stride(a) or _spans_beyond_stride(b)):
-                continue
-            (a0, a1), (b0, b1) = _extent(a, num_blocks), _extent(b, num_blocks)
-            same = sorted((t.addr, t.block_stride, t.block_bytes) for t in a) == sorted(
-                (t.addr, t.block_stride, t.block_bytes) for t in b
-            )
-            if a0 < b1 and b0 < a1 and not same:
-                return a[0].layer_name if _spans_beyond_stride(a) else b[0].layer_name
+    # Per layer, once: its group, name, whether it spreads, its extent, where its blocks lie.
+    layers = [
+        (g, tensors[0].layer_name, _spans_beyond_stride(tensors), _extent(tensors, num_blocks),
+         sorted((t.addr, t.block_stride, t.block_bytes) for t in tensors))
+        for g, per_layer in by_group.items() for tensors in per_layer
+    ]  # fmt: skip
+    for i, (g, a_name, a_wide, (a0, a1), a_blocks) in enumerate(layers):
+        for h, b_name, b_wide, (b0, b1), b_blocks in layers[i + 1 :]:
+            if g != h and (a_wide or b_wide) and a0 < b1 and b0 < a1 and a_blocks != b_blocks:
+                return a_name if a_wide else b_name
     return None
 
 
