@@ -60,7 +60,7 @@ import numpy.typing as npt
 from kvbridge.bench import cases
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.layout import Layout
-from kvbridge.core.planning import TransferPlan, plan_transfers
+from kvbridge.core.planning import TransferPlan, merge_descriptors, plan_transfers
 from kvbridge.model_shapes import (
     DEEPSEEK_MLA,
     LLAMA3_DENSE,
@@ -461,18 +461,14 @@ def pool_blocks(shape: ModelShape, prompt_tokens: int) -> int:
 
 def merged_ranges(src: Sequence[int] | npt.NDArray[Any], dst: Sequence[int] | npt.NDArray[Any],
                   lengths: Sequence[int] | npt.NDArray[Any]) -> Ranges:  # fmt: skip
-    """Descriptors sorted by source, those that continue one another on both sides merged."""
-    s = np.asarray(src, dtype=np.int64)
-    d = np.asarray(dst, dtype=np.int64)
-    n = np.asarray(lengths, dtype=np.int64)
-    order = np.argsort(s, kind="stable")
-    s, d, n = s[order], d[order], n[order]
-    if s.size == 0:
-        return s, d, n
-    starts = np.ones(s.size, dtype=bool)
-    starts[1:] = (s[:-1] + n[:-1] != s[1:]) | (d[:-1] + n[:-1] != d[1:])
-    first = np.flatnonzero(starts)
-    return s[first], d[first], np.add.reduceat(n, first)
+    """Descriptors sorted by source, those that continue one another on both sides merged
+    (the planner's own ``merge_descriptors``, applied to vLLM's transfers too)."""
+    merged = merge_descriptors(
+        np.asarray(src, dtype=np.uint64), np.asarray(dst, dtype=np.uint64),
+        np.asarray(lengths, dtype=np.uint64),
+    )  # fmt: skip
+    s, d, n = (a.astype(np.int64) for a in merged)
+    return s, d, n
 
 
 def covers(outer: Ranges, inner: Ranges) -> bool:
@@ -601,9 +597,7 @@ def _forget_peers(*layouts: Layout) -> None:
     """Drop what the planner keeps per pair of layouts, as for a peer never planned with."""
     for layout in layouts:
         for regions in layout.group_regions.values():
-            memo = getattr(regions, "memo", None)
-            if isinstance(memo, dict):
-                memo.clear()
+            regions.memo.clear()
 
 
 def measure_pattern(
