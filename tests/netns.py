@@ -9,14 +9,20 @@ address in a private /24, so a process in one reaches the other only through the
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
+T = TypeVar("T")
+
+_CLONE_NEWNET = 0x40000000
 #: the veth's name inside both namespaces (never in the root namespace: no clash with its links)
 DEVICE = "kvb0"
 COMMAND_TIMEOUT_S = 10.0
@@ -104,3 +110,26 @@ def leftovers(tag: str = "kvb") -> list[str]:
     names = {f"{tag}-p-{pid}", f"{tag}-d-{pid}"}
     listed = [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
     return [name for name in listed if name in names]
+
+
+def run_in(netns: str, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """``fn(*args, **kwargs)`` in a thread that entered ``netns``: what it opens (sockets) and
+    starts (subprocesses inherit the thread's namespace) lives there; the caller stays put.
+
+    Linux keeps the network namespace per thread, so no other thread of this process moves.
+    """
+
+    def entered() -> T:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        return fn(*args, **kwargs)
+
+    # A thread of its own, ended after: it never goes back to the first namespace.
+    with ThreadPoolExecutor(1, thread_name_prefix=f"netns-{netns}") as pool:
+        return pool.submit(entered).result()

