@@ -198,7 +198,7 @@ def test_the_installed_metadata_declares_the_extras_and_the_proxy_command():
     assert {"mooncake", "mooncake-cuda", "proxy", "nixl", "testing", "dev"} <= extras
     proxy_reqs = [r for r in metadata.requires("kvbridge") or [] if 'extra == "proxy"' in r]
     names = {r.split(">")[0].split(";")[0].strip() for r in proxy_reqs}
-    assert names == {"httpx", "fastapi", "uvicorn"}
+    assert names == {"httpx", "fastapi", "uvicorn", "prometheus-client"}
     (script,) = metadata.entry_points(group="console_scripts", name="kvbridge-proxy")
     assert script.value == "kvbridge.adapters.vllm.proxy:main"
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")

@@ -132,6 +132,14 @@ class Handshakes:
         """The handshake with P, cached; redone when P restarted (a new engine id)."""
         with self._lock:
             gate = self._handshake_gates.setdefault(params.endpoint, threading.Lock())
+        # A known peer that nobody is handshaking right now: no handshake, no handshake time.
+        if gate.acquire(blocking=False):
+            try:
+                remote = self.at(params.endpoint)
+                if remote is not None and remote.engine_id == params.engine_id:
+                    return remote
+            finally:
+                gate.release()
         # One handshake per remote engine at a time: requests arriving together wait for it
         # instead of each reconnecting the transport under the others' transfers. Waiting for
         # another request's handshake counts as this one's handshake time.

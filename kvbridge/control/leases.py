@@ -124,7 +124,7 @@ class Leases:
             forget_expired(self._push_results, now, lambda result: result[1])
         for rid in expired:
             self._free(rid, False, f"lease of {self._plane.lease:g} s expired before decode "
-                       "released it")  # fmt: skip
+                       "released it", RequestStats(lease_expired=True))  # fmt: skip
 
     def close(self) -> None:
         """Free every lease (the plane is closing)."""

@@ -77,6 +77,8 @@ class RequestStats:
     #: time spent on the integrity check (``verify``), and whether it found a difference
     verify_s: float = 0.0
     verify_failed: bool = False
+    #: P: the lease ran out before D released the blocks (P freed them unclaimed)
+    lease_expired: bool = False
 
 
 @dataclass

@@ -114,3 +114,21 @@ def test_pull_that_arrives_before_the_publish_waits_for_it(engines, transport):
     out = d.call(cmd="wait", request_id="never", timeout=30)
     assert not out["ok"] and "not held here" in out["reason"]
     assert 4 < time.monotonic() - start < 15
+
+
+def test_only_a_handshake_counts_as_handshake_time(engines, transport):
+    # The first load from P handshakes (its time is the request's handshake_s: stats, the
+    # handshake metric); later loads from the same P reuse it and spend no handshake time.
+    p = engines("prefill", transport, seed=41, num_blocks=256)
+    d = engines("decode", transport, seed=42, num_blocks=256)
+    p_alloc, d_alloc = BlockAllocator(p.layout, 9), BlockAllocator(d.layout, 10)
+    seen = []
+    for i in range(3):
+        p_ids, d_ids = p_alloc.request(64), d_alloc.request(64)
+        params = p.call(cmd="publish", request_id=f"h{i}", block_ids=p_ids, num_tokens=64,
+                        mode="pull")  # fmt: skip
+        assert d.call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
+        out = d.call(cmd="wait", request_id=f"h{i}", timeout=30)
+        assert out["ok"], out
+        seen.append(out["stats"]["handshake_s"])
+    assert seen[0] > 0 and seen[1:] == [0.0, 0.0], seen

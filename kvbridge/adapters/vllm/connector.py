@@ -49,6 +49,7 @@ from kvbridge.adapters.vllm.layout import (
     build_layout_spec,
     group_kind,
 )
+from kvbridge.adapters.vllm.prom_metrics import KVBridgePromMetrics
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.control.plane import ControlPlane, Mode, TransferParams
@@ -58,6 +59,7 @@ from kvbridge.core.registry import load_transport, load_transport_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -286,6 +288,21 @@ class Options:
         return options
 
 
+def refuse_unsupported_parallelism(vllm_config: Any) -> None:
+    """Stop the engine at start where kvbridge cannot move the KV right yet: TP > 1.
+
+    Every D rank would load from P's rank 0 (the transfer parameters name one endpoint), so
+    each request's load would fail on all but one rank and be recomputed: no wrong token, but
+    no gain either, and P's other ranks would hold their blocks until the lease ends.
+    """
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if size > 1:
+        raise ValueError(
+            f"kvbridge: tensor_parallel_size={size} is not supported yet (P/D transfers between "
+            "TP ranks are not implemented); run P and D with tensor_parallel_size 1"
+        )
+
+
 def _tp(vllm_config: Any) -> tuple[int, int]:
     size = int(vllm_config.parallel_config.tensor_parallel_size)
     if size == 1:
@@ -349,6 +366,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if ktc is None:
             raise ValueError("KVBridgeConnector needs vLLM's kv_transfer_config")
         self.options = Options.from_extra(ktc.kv_connector_extra_config, self.default_transport)
+        refuse_unsupported_parallelism(vllm_config)
         self.engine_id = str(ktc.engine_id)
         groups = [
             GroupInfo(
@@ -380,6 +398,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         extra = ktc.kv_connector_extra_config if ktc is not None else None
         options = Options.from_extra(extra, cls.default_transport)
+        refuse_unsupported_parallelism(vllm_config)  # the engine core asks before any worker
         model = vllm_config.model_config
         layout = required_layout(options, bool(model is not None and model.use_mla))
         log.info("kvbridge: asking vLLM for the %s KV cache layout", layout or "backends' own")
@@ -528,6 +547,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 results.finished_sending.add(rid)
                 if outcome.ok and outcome.stats.nbytes:  # P pushed: the bytes were P's work
                     self._stats.record(outcome.stats)
+                elif outcome.stats.lease_expired:  # D never released them: P freed them
+                    self._stats.record_lease_expiry()
             elif rid in self._recving:
                 local = self._recving.pop(rid)
                 if outcome.ok:
@@ -560,6 +581,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=dict(data)) if data else KVBridgeStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBridgePromMetrics:
+        """vLLM's Prometheus logger (API server) records each step's stats data through this."""
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.plane is not None:

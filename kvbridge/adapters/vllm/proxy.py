@@ -27,6 +27,19 @@ prefilled, P frees the KV when its lease (connector option ``lease``) runs out.
 
 Successful responses carry ``x-kvbridge-prefill-ms`` (P's round trip) and, when P reported them,
 ``x-kvbridge-remote-engine-id`` and ``x-kvbridge-remote-num-tokens``.
+
+``GET /metrics`` answers Prometheus' text format (OpenMetrics when the scraper asks for it) from
+a registry of the app's own (``app.state.metrics.registry``), for the two completions endpoints:
+``kvbridge_proxy_requests_total`` by ``endpoint`` and ``outcome`` (one of ``OUTCOMES``),
+``kvbridge_proxy_request_duration_seconds`` by ``endpoint`` (arrival to the response's end: a
+stream's last chunk), ``kvbridge_proxy_prefill_duration_seconds`` (P's round trip, of the prefills
+that returned params), ``kvbridge_proxy_decode_first_byte_seconds`` (for streamed answers, from
+sending the request to D to D's first chunk), ``kvbridge_proxy_requests_in_flight``, and
+``kvbridge_proxy_backend_errors_total`` by ``role``, ``backend`` (the server's URL) and ``kind``
+(one of ``FAILURE_KINDS``); plus the process's own ``process_*`` and ``python_*`` metrics.
+
+Without the ``proxy`` extra, ``main`` (``kvbridge-proxy``) says what to install and exits 2;
+``create_app`` raises ``ImportError``.
 """
 
 from __future__ import annotations
@@ -36,31 +49,142 @@ import asyncio
 import itertools
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+try:
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import (
+        CollectorRegistry,
+        Counter,
+        Gauge,
+        GCCollector,
+        Histogram,
+        PlatformCollector,
+        ProcessCollector,
+    )
+    from prometheus_client.exposition import choose_encoder
+except ImportError as exc:  # without the `proxy` extra: main() says what to install
+    _MISSING: ImportError | None = exc
+else:
+    _MISSING = None
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("kvbridge.proxy")
+
+#: The install command that brings the proxy's dependencies.
+INSTALL_HINT = "pip install 'kvbridge[proxy]'"
 
 #: Request headers passed on to the servers.
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 #: How long a ``/health`` probe of one server may take (s).
 HEALTH_TIMEOUT = 5.0
 
+#: The P/D endpoints (``endpoint`` label of the request metrics).
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+#: How a P/D request ended (``outcome`` label of ``kvbridge_proxy_requests_total``): answered;
+#: refused as a bad request (4xx, by the proxy or passed on from P or D); failed by P or by D
+#: (502, D also mid-stream); the client left before the end of D's stream; the proxy's own bug
+#: (500).
+OUTCOMES = ("ok", "client_error", "prefill_error", "decode_error", "cancelled", "internal_error")
+#: How a server failed a request (``kind`` label of ``kvbridge_proxy_backend_errors_total``).
+FAILURE_KINDS = ("unreachable", "timeout", "http_4xx", "http_5xx", "bad_response", "stream")
+#: Histogram buckets (s): whole requests (the default upstream timeout is 300 s), P's round trip,
+#: D's first byte.
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+FIRST_BYTE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+def _missing_extra(exc: ImportError) -> NoReturn:
+    """Exit 2 with one line naming what cannot be imported and what to install."""
+    what = (exc.name or "").split(".")[0] or "a dependency"
+    print(f"kvbridge-proxy: cannot import {what} ({exc}); it needs the proxy extra: "
+          f"{INSTALL_HINT}", file=sys.stderr)  # fmt: skip
+    raise SystemExit(2)
+
+
+class Metrics:
+    """The proxy's Prometheus metrics, in a registry of their own (one per app, none global).
+
+    The labelled series of the hot path are resolved once here; every endpoint/outcome pair and
+    every server/kind pair exists (at 0) from the start, so ``rate()`` sees the first one.
+    """
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        self.registry = r = CollectorRegistry()
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=r)
+        requests = Counter(
+            "kvbridge_proxy_requests", "P/D requests by endpoint and outcome",
+            ["endpoint", "outcome"], registry=r,
+        )  # fmt: skip
+        self._requests = {(e, o): requests.labels(e, o) for e in ENDPOINTS for o in OUTCOMES}
+        duration = Histogram(
+            "kvbridge_proxy_request_duration_seconds",
+            "P/D requests from arrival to the response's end (a stream's last chunk)",
+            ["endpoint"], buckets=REQUEST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._duration = {e: duration.labels(e) for e in ENDPOINTS}
+        self.prefill_duration = Histogram(
+            "kvbridge_proxy_prefill_duration_seconds",
+            "P's round trip, of the prefills that returned kv_transfer_params",
+            buckets=PREFILL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.first_byte = Histogram(
+            "kvbridge_proxy_decode_first_byte_seconds",
+            "Streamed answers: from sending the request to D to D's first chunk",
+            buckets=FIRST_BYTE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "kvbridge_proxy_requests_in_flight", "P/D requests not finished yet", registry=r
+        )
+        self._errors = Counter(
+            "kvbridge_proxy_backend_errors",
+            "Failures of P/D requests by server (role, URL) and kind",
+            ["role", "backend", "kind"], registry=r,
+        )  # fmt: skip
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            for url in urls:
+                for kind in FAILURE_KINDS:
+                    self._errors.labels(role, url.rstrip("/"), kind)
+
+    def finish(self, endpoint: str, outcome: str, t0: float) -> None:
+        """Count a request that arrived at ``t0`` (``time.perf_counter``) and ended now."""
+        self.in_flight.dec()
+        self._requests[endpoint, outcome].inc()
+        self._duration[endpoint].observe(time.perf_counter() - t0)
+
+    def backend_error(self, role: str, backend: str, kind: str) -> None:
+        """Count a failure of one server."""
+        self._errors.labels(role, backend, kind).inc()
+
 
 class UpstreamError(Exception):
     """A server failed a request: becomes an OpenAI-style error response."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(
+        self, status: int, message: str, side: str = "", backend: str = "", kind: str = ""
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.side = side  # "prefill" or "decode"
+        self.backend = backend  # the server's URL
+        self.kind = kind  # one of FAILURE_KINDS
+
+    @property
+    def outcome(self) -> str:
+        """The request's outcome (one of ``OUTCOMES``)."""
+        return f"{self.side}_error" if self.status >= 500 else "client_error"
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -104,24 +228,28 @@ def _excerpt(resp: httpx.Response, limit: int = 500) -> str:
     return resp.text[:limit] or "(empty body)"
 
 
-def _http_failure(side: str, url: str, exc: httpx.HTTPError) -> UpstreamError:
-    kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "unreachable"
-    return UpstreamError(502, f"{side} server {url} {kind}: {type(exc).__name__}: {exc}")
+def _http_failure(side: str, base: str, url: str, exc: httpx.HTTPError) -> UpstreamError:
+    timeout = isinstance(exc, httpx.TimeoutException)
+    what = "timed out" if timeout else "unreachable"
+    msg = f"{side} server {url} {what}: {type(exc).__name__}: {exc}"
+    return UpstreamError(502, msg, side, base, "timeout" if timeout else "unreachable")
 
 
-def _status_failure(side: str, url: str, resp: httpx.Response) -> UpstreamError:
-    status = resp.status_code if 400 <= resp.status_code < 500 else 502
-    return UpstreamError(
-        status, f"{side} server {url} answered HTTP {resp.status_code}: {_excerpt(resp)}"
-    )
+def _status_failure(side: str, base: str, url: str, resp: httpx.Response) -> UpstreamError:
+    code = resp.status_code
+    status = code if 400 <= code < 500 else 502
+    kind = "http_4xx" if status < 500 else "http_5xx" if code >= 500 else "bad_response"
+    msg = f"{side} server {url} answered HTTP {code}: {_excerpt(resp)}"
+    return UpstreamError(status, msg, side, base, kind)
 
 
 class Proxy:
     """Round-robin over prefill and decode servers; one shared HTTP client with timeouts."""
 
     def __init__(
-        self, prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient
-    ) -> None:
+        self, prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient,
+        metrics: Metrics | None = None,
+    ) -> None:  # fmt: skip
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode server")
         self.prefill = [u.rstrip("/") for u in prefill]
@@ -129,6 +257,7 @@ class Proxy:
         self._next_p = itertools.cycle(self.prefill)
         self._next_d = itertools.cycle(self.decode)
         self.client = client
+        self.metrics = metrics if metrics is not None else Metrics(self.prefill, self.decode)
 
     def next_prefill(self) -> str:
         """The prefill server for the next request."""
@@ -142,76 +271,94 @@ class Proxy:
         self, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[dict[str, Any], float]:
         """P's ``kv_transfer_params`` for ``body`` and P's round trip (s)."""
-        url = self.next_prefill() + path
+        base = self.next_prefill()
+        url = base + path
         t0 = time.perf_counter()
         try:
             resp = await self.client.post(url, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as exc:
-            raise _http_failure("prefill", url, exc) from exc
+            raise _http_failure("prefill", base, url, exc) from exc
         if resp.status_code != 200:
-            raise _status_failure("prefill", url, resp)
+            raise _status_failure("prefill", base, url, resp)
         try:
             params = resp.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
             msg = f"prefill server {url} answered non-JSON: {resp.text[:200]!r}"
-            raise UpstreamError(502, msg) from None
+            raise UpstreamError(502, msg, "prefill", base, "bad_response") from None
         if not isinstance(params, dict) or not params:
-            raise UpstreamError(
-                502,
+            msg = (
                 f"prefill server {url} returned no kv_transfer_params (is it serving with "
-                "kv_connector KVBridgeConnector and kv_role kv_producer?)",
+                "kv_connector KVBridgeConnector and kv_role kv_producer?)"
             )
+            raise UpstreamError(502, msg, "prefill", base, "bad_response")
         return params, time.perf_counter() - t0
 
     async def forward(self, request: Request, path: str) -> Response:
-        """The P/D round for one completions or chat request."""
+        """The P/D round for one completions or chat request, counted in the metrics."""
+        t0 = time.perf_counter()
+        self.metrics.in_flight.inc()
+        outcome: str | None = "internal_error"  # an exception of its own: FastAPI answers 500
+        try:
+            response, outcome = await self._round(request, path, t0)
+        finally:
+            if outcome is not None:  # None: a stream, counted when it ends
+                self.metrics.finish(path, outcome, t0)
+        return response
+
+    async def _round(self, request: Request, path: str, t0: float) -> tuple[Response, str | None]:
+        """``forward``'s response and outcome (None for a stream, which counts its own)."""
         try:
             body = await request.json()
         except ValueError:
-            return error_response(400, "request body is not JSON")
+            return error_response(400, "request body is not JSON"), "client_error"
         if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
+            return error_response(400, "request body must be a JSON object"), "client_error"
         if prompt_count(body) != 1:
-            return error_response(400, "this proxy takes one prompt per request")
+            return error_response(400, "this proxy takes one prompt per request"), "client_error"
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         try:
             params, prefill_s = await self.run_prefill(path, body, headers)
-            resp, url = await self.run_decode(path, dict(body, kv_transfer_params=params), headers)
+            self.metrics.prefill_duration.observe(prefill_s)
+            sent = time.perf_counter()
+            resp, base = await self.run_decode(path, dict(body, kv_transfer_params=params), headers)
         except UpstreamError as exc:
             log.warning("%s", exc.message)
-            return error_response(exc.status, exc.message)
+            self.metrics.backend_error(exc.side, exc.backend, exc.kind)
+            return error_response(exc.status, exc.message), exc.outcome
         extra = {"x-kvbridge-prefill-ms": f"{prefill_s * 1e3:.1f}"}
         for key in ("remote_engine_id", "remote_num_tokens"):
             if params.get(key) is not None:
                 extra[f"x-kvbridge-{key.replace('_', '-')}"] = str(params[key])
         media = resp.headers.get("content-type", "application/json")
         if not body.get("stream"):
-            return Response(resp.content, media_type=media, headers=extra)
-        return StreamingResponse(_relay(resp, url), media_type=media, headers=extra)
+            return Response(resp.content, media_type=media, headers=extra), "ok"
+        stream = DecodeStream(resp, base, self.metrics, path, t0, sent)
+        return _StreamResponse(stream, media_type=media, headers=extra), None
 
     async def run_decode(
         self, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[httpx.Response, str]:
-        """D's answer to ``body`` (still open when streamed) and the URL that gave it."""
-        url = self.next_decode() + path
+        """D's answer to ``body`` (still open when streamed) and the server (URL) that gave it."""
+        base = self.next_decode()
+        url = base + path
         req = self.client.build_request("POST", url, json=body, headers=headers)
         try:
             resp = await self.client.send(req, stream=bool(body.get("stream")))
         except httpx.HTTPError as exc:
-            raise _http_failure("decode", url, exc) from exc
+            raise _http_failure("decode", base, url, exc) from exc
         if resp.status_code != 200:
             await resp.aread()
             await resp.aclose()
-            raise _status_failure("decode", url, resp)
-        return resp, url
+            raise _status_failure("decode", base, url, resp)
+        return resp, base
 
     async def get(self, side: str, url: str) -> Response:
         """A plain GET passed through (status and body), 502 when the server is unreachable."""
         try:
             resp = await self.client.get(url, timeout=HEALTH_TIMEOUT)
         except httpx.HTTPError as exc:
-            return error_response(502, _http_failure(side, url, exc).message)
+            return error_response(502, _http_failure(side, url, url, exc).message)
         media = resp.headers.get("content-type", "application/json")
         return Response(resp.content, status_code=resp.status_code, media_type=media)
 
@@ -235,17 +382,69 @@ class Proxy:
         return JSONResponse({"status": "ok" if ok else "unhealthy", **report}, 200 if ok else 503)
 
 
-async def _relay(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
-    """D's stream, chunk by chunk; a failure mid-stream ends it with an SSE error event."""
-    try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:
-        msg = f"decode server {url} failed mid-stream: {type(exc).__name__}: {exc}"
-        log.warning("%s", msg)
-        yield f"data: {json.dumps({'error': {'message': msg, 'code': 502}})}\n\n".encode()
-    finally:
-        await resp.aclose()
+class DecodeStream:
+    """D's streamed answer relayed chunk by chunk; counted and closed once, however it ends."""
+
+    def __init__(
+        self, resp: httpx.Response, backend: str, metrics: Metrics, endpoint: str, t0: float,
+        sent: float,
+    ) -> None:  # fmt: skip
+        self.resp = resp
+        self.backend = backend
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.t0 = t0  # the request's arrival
+        self.sent = sent  # the request to D left
+        self.outcome = "cancelled"  # until D's stream ends or fails: the client left
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """D's chunks; a failure mid-stream ends them with an SSE error event."""
+        first = True
+        try:
+            async for chunk in self.resp.aiter_raw():
+                if first:
+                    first = False
+                    self.metrics.first_byte.observe(time.perf_counter() - self.sent)
+                yield chunk
+        except httpx.HTTPError as exc:
+            self.outcome = "decode_error"
+            self.metrics.backend_error("decode", self.backend, "stream")
+            url = self.resp.request.url
+            msg = f"decode server {url} failed mid-stream: {type(exc).__name__}: {exc}"
+            log.warning("%s", msg)
+            yield f"data: {json.dumps({'error': {'message': msg, 'code': 502}})}\n\n".encode()
+        else:
+            self.outcome = "ok"
+
+    async def close(self) -> None:
+        """Count the request (its outcome so far) and close D's response; once."""
+        if self._closed:
+            return
+        self._closed = True
+        self.metrics.finish(self.endpoint, self.outcome, self.t0)
+        await self.resp.aclose()
+
+
+if _MISSING is None:
+
+    class _StreamResponse(StreamingResponse):
+        """Relays a ``DecodeStream`` and closes it when the response ends, however it ends.
+
+        Also when the client left before the body started (Starlette cancels the response on
+        the disconnect, or fails it when sending the headers fails): a body never started runs
+        no ``finally``, and a cancelled one could not finish awaiting D's close in it.
+        """
+
+        def __init__(self, stream: DecodeStream, media_type: str, headers: dict[str, str]) -> None:
+            super().__init__(stream.chunks(), media_type=media_type, headers=headers)
+            self.stream = stream
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.stream.close()
 
 
 def create_app(
@@ -254,20 +453,25 @@ def create_app(
 ) -> FastAPI:  # fmt: skip
     """The proxy as an ASGI app; ``timeout`` bounds each upstream read/write (s).
 
-    ``transport``: httpx's, for the upstream calls (default: the network).
+    ``transport``: httpx's, for the upstream calls (default: the network). The metrics
+    (``app.state.metrics``) live as long as the app, across restarts of its lifespan.
     """
+    if _MISSING is not None:
+        raise ImportError(f"the P/D proxy needs the proxy extra: {INSTALL_HINT}") from _MISSING
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     http_timeout = httpx.Timeout(timeout, connect=connect_timeout)
+    metrics = Metrics(prefill, decode)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with httpx.AsyncClient(
             timeout=http_timeout, limits=limits, transport=transport
         ) as client:
-            app.state.proxy = Proxy(prefill, decode, client)
+            app.state.proxy = Proxy(prefill, decode, client, metrics)
             yield
 
     app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan)
+    app.state.metrics = metrics
 
     def proxy_of(request: Request) -> Proxy:
         proxy: Proxy = request.app.state.proxy
@@ -290,12 +494,22 @@ def create_app(
     async def health(request: Request) -> JSONResponse:
         return await proxy_of(request).health()
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_text(request: Request) -> Response:
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(metrics.registry), media_type=content_type)
+
     return app
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: parse the servers and serve the proxy with uvicorn."""
-    import uvicorn
+    if _MISSING is not None:
+        _missing_extra(_MISSING)
+    try:
+        import uvicorn
+    except ImportError as exc:
+        _missing_extra(exc)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--prefill", action="append", required=True, metavar="URL",

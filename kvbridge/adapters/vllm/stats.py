@@ -22,8 +22,9 @@ SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "ha
 #: Counters summed over workers and intervals: failed loads; of those, the ones that waited for a
 #: fence (and how long) and those whose fence needed the peer's word; requests held (the most at
 #: one time: blocks out of use while a silent peer may still deliver bytes); loads whose
-#: integrity check (``verify``) found a difference.
-COUNTERS = ("failed", "fenced", "unconfirmed", "held", "verify_failed")
+#: integrity check (``verify``) found a difference; P: published requests whose lease expired
+#: before D released them.
+COUNTERS = ("failed", "fenced", "unconfirmed", "held", "verify_failed", "lease_expired")
 
 
 def _empty() -> dict[str, Any]:
@@ -56,6 +57,10 @@ class KVBridgeStats(KVConnectorStats):
         if stats is not None and stats.verify_failed:
             self.data["verify_failed"] += 1
 
+    def record_lease_expiry(self) -> None:
+        """P freed a published request's blocks because D never released them in time."""
+        self.data["lease_expired"] += 1
+
     def record_held(self, count: int) -> None:
         """Requests whose blocks wait for a fence right now."""
         self.data["held"] = max(int(self.data["held"]), count)
@@ -81,7 +86,7 @@ class KVBridgeStats(KVConnectorStats):
             "transfers": int(nbytes.size),
             "failed": int(self.data["failed"]),
         }
-        for name in ("fenced", "unconfirmed", "held", "verify_failed"):
+        for name in ("fenced", "unconfirmed", "held", "verify_failed", "lease_expired"):
             if self.data[name]:
                 out[name] = int(self.data[name])
         if self.data["fence_s"]:

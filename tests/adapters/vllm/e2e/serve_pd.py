@@ -250,9 +250,9 @@ def start_pair(
 ) -> tuple[list[Server], dict[str, str]]:
     """P, D and the proxy through ``examples/deploy``: the servers and the URLs to reach them.
 
-    One host: ``one-host.sh`` starts all three. Two hosts: the caller runs in D's network
-    namespace (``tests.netns.run_in``); P is ``prefill.sh`` in P's namespace, D ``decode.sh``
-    and the proxy ``proxy.sh`` beside it, each told its own address as the README says.
+    One host: ``one-host.sh`` starts all three. Two hosts: P is ``prefill.sh`` in P's network
+    namespace, D ``decode.sh`` and the proxy ``proxy.sh`` in D's, each told its own address as
+    the README says; the caller runs in D's namespace (``tests.netns.run_in``) as a client there.
     """
     secret = work / "secret"
     secret.write_text(uuid.uuid4().hex + "\n")
@@ -282,14 +282,16 @@ def start_pair(
         proxy_env = _env(None, PREFILL_URLS=f"http://{p_addr}:{http_p}",
                          DECODE_URLS=f"http://{d_addr}:{http_d}", PROXY_HOST=d_addr,
                          PROXY_PORT=str(http_proxy))  # fmt: skip
-        in_p = ["ip", "netns", "exec", p_host.netns]
+        # `ip netns exec` as on each host: it also mounts the namespace's own /sys, where UCX
+        # lists the network devices (through the parent's /sys, D's would see only loopback).
+        in_p, in_d = (["ip", "netns", "exec", h.netns, "bash"] for h in hosts)
         servers = [
-            Server("prefill", [*in_p, "bash", str(DEPLOY / "prefill.sh"), *args],
-                   work / "prefill.log", p_env),
-            Server("decode", ["bash", str(DEPLOY / "decode.sh"), *args], work / "decode.log",
+            Server("prefill", [*in_p, str(DEPLOY / "prefill.sh"), *args], work / "prefill.log",
+                   p_env),
+            Server("decode", [*in_d, str(DEPLOY / "decode.sh"), *args], work / "decode.log",
                    d_env),
-            Server("proxy", ["bash", str(DEPLOY / "proxy.sh"),
-                             "--timeout", str(REQUEST_TIMEOUT_S)], work / "proxy.log", proxy_env),
+            Server("proxy", [*in_d, str(DEPLOY / "proxy.sh"), "--timeout", str(REQUEST_TIMEOUT_S)],
+                   work / "proxy.log", proxy_env),
         ]  # fmt: skip
     urls = {"prefill": f"http://{p_addr}:{http_p}", "decode": f"http://{d_addr}:{http_d}",
             "proxy": f"http://{d_addr}:{http_proxy}"}  # fmt: skip

@@ -58,10 +58,10 @@ def hosts() -> Iterator[tuple[Host, Host]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("transport", ["mooncake"])
+@pytest.mark.parametrize(("transport", "mode"), [("mooncake", "pull"), ("nixl", "push")])
 def test_two_hosts_through_proxy_match_single_instance(
     reference: Callable[[str], Reference], tmp_path: Path, hosts: tuple[Host, Host],
-    transport: str,
+    transport: str, mode: str,
 ) -> None:  # fmt: skip
     # P on one host, D and the proxy on the other, each started by its script with its own
     # address (KVBRIDGE_HOST) and a secret file, as the README's two-host example.
@@ -70,9 +70,10 @@ def test_two_hosts_through_proxy_match_single_instance(
     p_host, d_host = hosts
     ref = reference("llama")
     p_before = p_host.counters()
-    summary = run_in(d_host.netns, run_serve, ref, transport=transport, mode="pull",
+    summary = run_in(d_host.netns, run_serve, ref, transport=transport, mode=mode,
                      work_dir=tmp_path, hosts=hosts)  # fmt: skip
     check(summary)
-    # The KV crossed the veth: P sent at least what D's connector says it loaded.
+    # The KV crossed the veth: P sent at least what D's connector says it loaded (read from
+    # P on a pull, written by P on a push).
     p_sent = p_host.counters()[1] - p_before[1]
     assert p_sent >= summary["stats"]["MiB"] * 2**20, (p_sent, summary["stats"])

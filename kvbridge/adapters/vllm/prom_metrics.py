@@ -1,0 +1,121 @@
+"""Prometheus metrics of the connector, through vLLM's connector metrics hook.
+
+vLLM's ``PrometheusStatLogger`` (in the API server process) asks the connector class for a
+``KVConnectorPromMetrics`` once (``KVBridgeConnector.build_prom_metrics``), handing it the metric
+classes to use (prometheus_client's, or Ray's wrappers under Ray metrics), its label names
+(``model_name``, ``engine``) and each engine's label values. It then calls ``observe`` with the
+stats data of every engine step that reported any (``KVBridgeStats.data``, already summed over
+the engine's workers) and the engine's index. vLLM serves the result on its ``/metrics``.
+
+Every series is per engine. A TP engine's ranks each move their own slice, so a request counts
+once per rank, as in the ``KV Transfer metrics`` log line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+
+#: Seconds: a small request over shared memory takes about a millisecond; the default
+#: ``timeout`` is 10 s and a failed transfer's fence may take a few timeouts.
+TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0]  # fmt: skip
+#: Bytes per transfer: 1 KiB to 16 GiB, each 4 times the last.
+BYTES_BUCKETS = [float(2**e) for e in range(10, 35, 2)]
+#: Descriptors per transfer (after merging): 1 to 1 Mi, each 4 times the last.
+DESCRIPTOR_BUCKETS = [float(4**e) for e in range(11)]
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """kvbridge's histograms and counters; ``observe`` records one step's ``KVBridgeStats.data``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # (data key, per-engine histogram); handshake_s of 0 (a known peer) is not observed.
+        self._histograms: list[tuple[str, dict[int, Any]]] = [
+            ("transfer_s", self._histogram(
+                "vllm:kvbridge_transfer_time_seconds",
+                "Duration of kvbridge KV cache transfers that succeeded (D: its read in pull "
+                "mode; P and D: P's write in push mode).", TIME_BUCKETS)),
+            ("nbytes", self._histogram(
+                "vllm:kvbridge_transfer_bytes",
+                "Bytes moved per successful kvbridge KV cache transfer.", BYTES_BUCKETS)),
+            ("descriptors", self._histogram(
+                "vllm:kvbridge_transfer_descriptors",
+                "Descriptors per successful kvbridge KV cache transfer, after merging "
+                "adjacent ones.", DESCRIPTOR_BUCKETS)),
+            ("handshake_s", self._histogram(
+                "vllm:kvbridge_handshake_time_seconds",
+                "Time successful transfers spent on the handshake with their peer (a new or "
+                "restarted peer's handshake, or waiting for one in progress); transfers to a "
+                "known peer spend none and are not observed.", TIME_BUCKETS)),
+            ("fence_s", self._histogram(
+                "vllm:kvbridge_fence_time_seconds",
+                "Time failed loads waited, after giving up, until no byte of them could still "
+                "land in the decode instance's blocks.", TIME_BUCKETS)),
+        ]  # fmt: skip
+        # (data key, per-engine counter); "nbytes": one transfer per entry.
+        self._counters: list[tuple[str, dict[int, Any]]] = [
+            ("nbytes", self._counter(
+                "vllm:kvbridge_transfers",
+                "Successful kvbridge KV cache transfers.")),
+            ("failed", self._counter(
+                "vllm:kvbridge_transfer_failures",
+                "Failed kvbridge KV cache loads (recomputed under "
+                "kv_load_failure_policy=recompute); counted on the decode instance.")),
+            ("lease_expired", self._counter(
+                "vllm:kvbridge_lease_expiries",
+                "Prefilled requests whose blocks the prefill instance freed because decode "
+                "did not release them within the lease; counted on the prefill instance.")),
+            ("fenced", self._counter(
+                "vllm:kvbridge_fenced",
+                "Failed loads that waited for a fence before their blocks were freed.")),
+            ("unconfirmed", self._counter(
+                "vllm:kvbridge_unconfirmed_fences",
+                "Failed loads whose fence needed the peer's word (the engine gave part of the "
+                "transfer up without knowing whether it landed).")),
+            ("verify_failed", self._counter(
+                "vllm:kvbridge_verify_failures",
+                "Loads whose integrity check (verify) found a difference between what prefill "
+                "sent and decode received.")),
+        ]  # fmt: skip
+
+    def _histogram(self, name: str, documentation: str, buckets: list[float]) -> dict[int, Any]:
+        # vLLM types the classes it hands in as any of its three metric kinds.
+        histogram_cls: Any = self._histogram_cls
+        metric = histogram_cls(
+            name=name, documentation=documentation, buckets=buckets, labelnames=self._labelnames
+        )
+        return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+    def _counter(self, name: str, documentation: str) -> dict[int, Any]:
+        metric = self._counter_cls(name=name, documentation=documentation,
+                                   labelnames=self._labelnames)  # fmt: skip
+        return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one step's stats data (``KVBridgeStats.data``) for engine ``engine_idx``."""
+        data = transfer_stats_data
+        for key, histogram in self._histograms:
+            child = histogram[engine_idx]
+            for value in data.get(key) or ():
+                if key == "handshake_s" and not value > 0:
+                    continue
+                child.observe(value)
+        for key, counter in self._counters:
+            value = data.get(key) or 0
+            count = len(value) if isinstance(value, (list, tuple)) else int(value)
+            if count:
+                counter[engine_idx].inc(count)
