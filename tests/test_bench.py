@@ -169,3 +169,18 @@ def test_vllm_planning_moves_the_bytes_vllms_own_mooncake_planner_moves(shape, l
     assert row.refused is None and row.fit_layers is None
     assert row.vllm_bytes - row.kvbridge_bytes == sum(v_len) - plan.nbytes
     assert row.same_ranges is not model.is_hybrid and row.vllm_covers_kvbridge
+
+
+def test_the_terminal_tables_show_brackets_as_written():
+    # rich would read "[mooncake]" as markup and drop it, and "[/]" alone raises.
+    from rich.console import Console
+
+    from kvbridge.bench.report import Grid
+
+    grid = Grid("kvbridge[mooncake] [/]", ["way [x]"], [["pip install 'kvbridge[nixl]'"]],
+                ["see [/note]"])  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(grid.rich())
+    text = console.export_text()
+    for shown in ("kvbridge[mooncake] [/]", "way [x]", "'kvbridge[nixl]'", "see [/note]"):
+        assert shown in text, text

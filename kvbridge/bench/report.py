@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -22,11 +23,14 @@ class Grid:
     left: tuple[int, ...] = (0,)
 
     def rich(self) -> Table:
-        table = Table(title=self.title, caption=" ".join(self.notes) or None, box=box.SIMPLE_HEAD)
+        # Every text escaped: engine names and notes may hold brackets ("kvbridge[mooncake]")
+        # that rich would take for markup and swallow (or fail on).
+        caption = escape(" ".join(self.notes)) or None
+        table = Table(title=escape(self.title), caption=caption, box=box.SIMPLE_HEAD)
         for i, header in enumerate(self.headers):
-            table.add_column(header, justify="left" if i in self.left else "right")
+            table.add_column(escape(header), justify="left" if i in self.left else "right")
         for row in self.rows:
-            table.add_row(*row)
+            table.add_row(*map(escape, row))
         return table
 
     def markdown(self) -> str:
