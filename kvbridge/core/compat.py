@@ -27,7 +27,13 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
             diffs.append(f"{what}: {na}={va!r} {nb}={vb!r}")
 
     differ("dtype", a.spec.dtype, b.spec.dtype)
-    differ("tp_size", a.spec.tp_size, b.spec.tp_size)
+    # Layouts that say which slice each tensor holds may differ in TP size: the TP planner
+    # (``kvbridge.core.tp``) moves slices; what must agree is what a unit of each axis is.
+    heterogeneous = a.spec.tp_size != b.spec.tp_size and _sharded(a) and _sharded(b)
+    if heterogeneous:
+        diffs.extend(_shard_differences(a, b, names))
+    else:
+        differ("tp_size", a.spec.tp_size, b.spec.tp_size)
     if a.spec.block_format != b.spec.block_format:
         diffs.append(
             f"block format: {na}={a.spec.block_format!r}{_engine(a)} "
@@ -50,7 +56,7 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
                 f"group {index} regions: only on {na}: {_names(only_a)}, "
                 f"only on {nb}: {_names(only_b)}"
             )
-        for key in sorted(set(ra) & set(rb)):
+        for key in sorted(set(ra) & set(rb)) if not heterogeneous else ():
             differ(
                 f"group {index} region {_fmt(key)} bytes per block",
                 _bytes_per_block(ra[key], ga.ratio),
@@ -70,6 +76,27 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
                     f"({_names(scattered)}), so they only move between equal kernel block "
                     "sizes (use the same attention backend and block size on both sides)"
                 )
+    return diffs
+
+
+def _sharded(layout: Layout) -> bool:
+    return bool(layout.spec.tensors) and all(t.shards for t in layout.spec.tensors)
+
+
+def _shard_differences(a: Layout, b: Layout, names: tuple[str, str]) -> list[str]:
+    """Per tensor: the same axes, and per axis the same unit size and rows, on both sides."""
+    na, nb = names
+    diffs: list[str] = []
+    tb = {(t.layer_name, t.tensor): t for t in b.spec.tensors}
+    for ta in a.spec.tensors:
+        other = tb.get((ta.layer_name, ta.tensor))
+        if other is None:
+            continue  # the region comparison names it
+        sa = {s.axis: (s.unit_bytes, s.rows) for s in ta.shards or ()}
+        sb = {s.axis: (s.unit_bytes, s.rows) for s in other.shards or ()}
+        if sa != sb:
+            where = f"{ta.layer_name}{'/' + ta.tensor if ta.tensor else ''}"
+            diffs.append(f"tensor {where} shards (axis: unit_bytes, rows): {na}={sa} {nb}={sb}")
     return diffs
 
 

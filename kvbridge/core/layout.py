@@ -40,6 +40,49 @@ class Part(str, enum.Enum):
     WHOLE = "WHOLE"
 
 
+class Shard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which slice of the model's cache a tensor holds under tensor parallelism (one axis).
+
+    Units ``[start, start + count)`` of the global axis ``axis`` (``"kv_heads"``,
+    ``"conv_q"``, ``"ssm_heads"``, ``"latent"`` ...) lie in every block (state slot) of the
+    tensor, and in every part of it (K and V alike), at byte ``offset + i * unit_stride`` of
+    the part's block for unit ``start + i``, each ``unit_bytes`` long; with ``rows`` > 1 that
+    pattern repeats ``row_stride`` bytes apart (a token-major conv state ``[kernel-1, channels]``
+    holds a slice of each sub-projection in every row). Offsets and sizes are counted per
+    logical block like ``CacheTensor.block_bytes``: in each kernel block they are divided by the
+    kernel ratio. ``unit_stride`` 0 means ``unit_bytes`` (units packed).
+
+    ``replicas`` ranks hold the same units (KV heads fewer than TP ranks, MLA's latent on every
+    rank); ``replica`` is which of them this rank is. A destination replica ``j`` reads from the
+    source replica ``j % source replicas`` (``kvbridge.core.tp``), so every unit is read once
+    and replicated readers spread over the sources. ``token_major``: each unit's bytes in a
+    kernel block list its tokens in order, each token's bytes one run of the same size (a
+    head of a head-major ``[H, N, C]`` block with ``[K|V]`` cells): slices of such units may
+    move between different kernel block sizes, unit by unit.
+    """
+
+    axis: str
+    start: int
+    count: int
+    unit_bytes: int
+    offset: int = 0
+    unit_stride: int = 0
+    rows: int = 1
+    row_stride: int = 0
+    replicas: int = 1
+    replica: int = 0
+    token_major: bool = False
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one unit to the next."""
+        return self.unit_stride or self.unit_bytes
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
 class CacheTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One cache tensor a worker registered for one layer.
 
@@ -53,7 +96,9 @@ class CacheTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backing allocation to register; by default the tensor's own extent. ``token_major`` says
     that each part of a kernel block lists its tokens in order, each token's bytes one run of
     the same size: only then may a block be split into token units, which planning between
-    different kernel block sizes needs.
+    different kernel block sizes needs. ``shards`` says which slice of the model's cache the
+    tensor holds under tensor parallelism (``Shard``, one per axis); unset or ``None``: the
+    whole layer's cache, or nothing said, so it moves only between peers of equal TP size.
     """
 
     layer_name: str
@@ -68,6 +113,9 @@ class CacheTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     alloc_addr: int | None = None
     alloc_size: int | None = None
     token_major: bool = True
+    #: Unset (the default) is left out of the JSON form, which keeps layouts that say nothing
+    #: about TP byte for byte what they were; ``None`` means the same.
+    shards: list[Shard] | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,448 @@
+"""TP mapping: which slices of a destination rank's cache each source rank holds, as regions.
+
+A layout whose tensors carry ``shards`` (``kvbridge.core.layout.Shard``) says which units of
+the model's cache each tensor holds: KV heads, MLA's replicated latent, a GDN conv state's
+channels per sub-projection, ssm heads. For one source (P) rank and one destination (D) rank
+this module finds the units D needs that P holds and is chosen to send, and restricts both
+layouts to them: one derived tensor per contiguous run of units (per row), with the same key on
+both sides. The ordinary planner (``plan_transfers``) then plans the restricted pair unchanged:
+block mapping, kernel ratios, merging into maximal runs and the overlap checks.
+
+Selection: a unit held by several source ranks (``Shard.replicas`` > 1) is read from the source
+replica ``d.replica % p.replicas``, where ``d.replica`` is the destination's replica index of
+that unit. The rule is local to a pair, so a P rank pushing to a D rank can decide it alone, and
+replicated readers spread over the replicated sources.
+
+Pairs of layouts with equal TP size, equal rank and identical shards (or none) that
+``plan_transfers`` accepts are not restricted: they plan exactly as it plans them. (Others go
+through restriction: different kernel block sizes with ``Shard.token_major`` units, say.)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from kvbridge.core.compat import layout_differences
+from kvbridge.core.errors import BlockIdError, LayoutError, LayoutMismatchError
+from kvbridge.core.groups import CacheGroup
+from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Shard, expand_tensor
+from kvbridge.core.planning import BlockIds, TransferPlan, plan_transfers
+
+#: ``(layer_name, tensor, axis)``: one axis of one tensor; axis ``""`` for a tensor without shards.
+UnitKey = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class TPPair:
+    """One source rank and one destination rank restricted to what moves between them.
+
+    ``src`` and ``dst`` are the restricted layouts the ordinary planner plans, or ``None`` when
+    nothing needs restricting (equal TP, same rank, same shards: the originals plan as today;
+    not kept here, so that the cache below holds no layout alive); ``groups`` the group indices
+    that have anything to move; ``units`` the global units of each destination axis this pair
+    moves, as ``[start, end)`` intervals.
+    """
+
+    src: Layout | None
+    dst: Layout | None
+    groups: frozenset[int]
+    units: dict[UnitKey, list[tuple[int, int]]]
+
+
+def _where(t: CacheTensor) -> str:
+    return f"tensor {t.layer_name!r}{'/' + t.tensor if t.tensor else ''}"
+
+
+def shard_problems(tensor: CacheTensor) -> list[str]:
+    """What is wrong with a tensor's shards on their own (empty when consistent)."""
+    problems: list[str] = []
+    where = _where(tensor)
+    axes = [s.axis for s in tensor.shards or ()]
+    if len(set(axes)) != len(axes):
+        problems.append(f"{where}: an axis appears in several shards: {axes}")
+    for s in tensor.shards or ():
+        what = f"{where} shard {s.axis!r}"
+        if s.count < 1 or s.start < 0 or s.unit_bytes < 1 or s.offset < 0:
+            problems.append(f"{what}: start, offset must be >= 0, count and unit_bytes > 0")
+            continue
+        if s.stride < s.unit_bytes:
+            problems.append(f"{what}: unit_stride {s.unit_stride} is below unit_bytes")
+        if s.rows < 1 or (s.rows > 1 and s.row_stride < 1):
+            problems.append(f"{what}: rows must be >= 1, and row_stride > 0 when rows > 1")
+        if not (s.replicas >= 1 and 0 <= s.replica < s.replicas):
+            problems.append(f"{what}: replica {s.replica} outside replicas {s.replicas}")
+        end = s.offset + (s.count - 1) * s.stride + s.unit_bytes + (s.rows - 1) * s.row_stride
+        if end > tensor.block_bytes:
+            problems.append(
+                f"{what}: its units reach byte {end} of a block of {tensor.block_bytes} bytes"
+            )
+    return problems
+
+
+def _same_shards(src: Layout, dst: Layout) -> bool:
+    ts = {(t.layer_name, t.tensor): t.shards or None for t in src.spec.tensors}
+    td = {(t.layer_name, t.tensor): t.shards or None for t in dst.spec.tensors}
+    return ts == td
+
+
+def _allocation(t: CacheTensor, group: CacheGroup) -> tuple[int, int]:
+    start, end = Layout._allocation(t, group, expand_tensor(t, group))
+    return start, end - start
+
+
+def _piece(
+    t: CacheTensor, group: CacheGroup, offset: int, length: int, name: str, in_order: bool = False
+) -> CacheTensor:
+    """The part of ``t`` at ``[offset, offset + length)`` of each block (per part), as a tensor;
+    ``in_order``: the slice is one unit whose tokens lie in order (``Shard.token_major``)."""
+    ratio = group.ratio
+    if offset % ratio or length % ratio:
+        raise LayoutError(
+            f"{_where(t)}: a slice at byte {offset} of {length} bytes per block is not divisible "
+            f"by the kernel ratio {ratio}, so it is no run of each kernel block"
+        )
+    shift = offset // ratio
+    alloc_addr, alloc_size = _allocation(t, group)
+    v_addr, v_offset = t.v_addr, t.v_offset
+    if t.kv_layout is KVLayout.K_FIRST and v_addr is not None:
+        v_addr += shift
+    elif t.kv_layout is KVLayout.BLOCKS_FIRST:
+        v_offset = t.block_bytes if v_offset is None else v_offset
+    whole = offset == 0 and length == t.block_bytes
+    return msgspec.structs.replace(
+        t, addr=t.addr + shift, block_bytes=length, v_addr=v_addr, v_offset=v_offset,
+        tensor=name, alloc_addr=alloc_addr, alloc_size=alloc_size,
+        token_major=(t.token_major and whole) or in_order, shards=msgspec.UNSET,
+    )  # fmt: skip
+
+
+def _all_units(layout: Layout) -> dict[UnitKey, list[tuple[int, int]]]:
+    units: dict[UnitKey, list[tuple[int, int]]] = {}
+    for t in layout.spec.tensors:
+        if not t.shards:
+            units[(t.layer_name, t.tensor, "")] = [(0, 1)]
+        for s in t.shards or ():
+            units[(t.layer_name, t.tensor, s.axis)] = [(s.start, s.end)]
+    return units
+
+
+def _check_sharded(src: Layout, dst: Layout) -> None:
+    problems = [p for layout in (src, dst) for t in layout.spec.tensors for p in shard_problems(t)]
+    if problems:
+        raise LayoutError("invalid shards: " + "; ".join(problems))
+    if src.spec.tp_size == dst.spec.tp_size:
+        return
+    bare = [_where(t) for layout in (src, dst) for t in layout.spec.tensors if not t.shards]
+    if bare:
+        more = f" and {len(bare) - 4} more" if len(bare) > 4 else ""
+        raise LayoutMismatchError(
+            [
+                f"tp_size: source={src.spec.tp_size} destination={dst.spec.tp_size}, and "
+                f"{', '.join(bare[:4])}{more} carry no shards (which slice of the model's "
+                "cache they hold), so they move only between equal TP sizes"
+            ]
+        )
+
+
+def _restricted(layout: Layout, tensors: list[CacheTensor]) -> Layout:
+    spec = layout.spec
+    return Layout(
+        LayoutSpec(spec.groups, tensors, spec.dtype, 0, 1, spec.block_format, spec.engine_layout)
+    )
+
+
+def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
+    _check_sharded(src, dst)
+    if (
+        src.spec.tp_size == dst.spec.tp_size
+        and src.spec.tp_rank == dst.spec.tp_rank
+        and _same_shards(src, dst)
+        and not layout_differences(src, dst)
+    ):
+        return TPPair(None, None, frozenset(dst.groups), _all_units(dst))
+    by_key = {(t.layer_name, t.tensor): t for t in src.spec.tensors}
+    s_pieces: list[CacheTensor] = []
+    d_pieces: list[CacheTensor] = []
+    units: dict[UnitKey, list[tuple[int, int]]] = {}
+    groups: set[int] = set()
+    diffs: list[str] = []
+    for dt in dst.spec.tensors:
+        st = by_key.get((dt.layer_name, dt.tensor))
+        if st is None or dt.group_index not in src.groups:
+            continue  # no unit of it comes from this rank: the coverage check names it
+        sg, dg = src.groups[dt.group_index], dst.groups[dt.group_index]
+        if not dt.shards or not st.shards:
+            if dt.shards or st.shards:
+                diffs.append(f"{_where(dt)}: shards on one side only")
+            elif src.spec.tp_rank == dst.spec.tp_rank:  # equal TP sizes (checked)
+                s_pieces.append(_piece(st, sg, 0, st.block_bytes, st.tensor))
+                d_pieces.append(_piece(dt, dg, 0, dt.block_bytes, dt.tensor))
+                units[(dt.layer_name, dt.tensor, "")] = [(0, 1)]
+                groups.add(dt.group_index)
+            continue
+        p_axes = {s.axis: s for s in st.shards}
+        for ds in dt.shards:
+            ps = p_axes.get(ds.axis)
+            if ps is None or ps.unit_bytes != ds.unit_bytes or ps.rows != ds.rows:
+                diffs.append(
+                    f"{_where(dt)} axis {ds.axis!r}: source "
+                    + (f"unit_bytes={ps.unit_bytes} rows={ps.rows}" if ps else "lacks it")
+                    + f", destination unit_bytes={ds.unit_bytes} rows={ds.rows}"
+                )
+                continue
+            if ps.replica != ds.replica % ps.replicas:
+                continue  # another replica of these units serves this destination rank
+            a, b = max(ds.start, ps.start), min(ds.end, ps.end)
+            if a >= b:
+                continue
+            if dg.kind.paged and ds.rows > 1:
+                raise LayoutError(
+                    f"{_where(dt)}: the units of axis {ds.axis!r} lie in {ds.rows} rows of "
+                    "each block (heads interleaved per token), so a slice of them is one "
+                    "run per token; configure a head-major KV cache layout on both sides "
+                    "(vLLM's LBHNC or LHBNC) to move caches between different TP sizes"
+                )
+            # Different kernel block sizes split blocks into tokens: a slice must then list its
+            # tokens in order, which a unit does when its shard says so (a head of [H, N, C]).
+            split = dg.kind.paged and sg.kernel_size != dg.kernel_size
+            by_unit = split and ds.token_major and ps.token_major
+            packed = ds.stride == ds.unit_bytes and ps.stride == ps.unit_bytes and not by_unit
+            runs = [(a, b)] if packed else [(u, u + 1) for u in range(a, b)]
+            units.setdefault((dt.layer_name, dt.tensor, ds.axis), []).append((a, b))
+            groups.add(dt.group_index)
+            for row in range(ds.rows):
+                for u0, u1 in runs:
+                    name = f"{dt.tensor}|{ds.axis}[{u0}:{u1}]" + (f"@{row}" if ds.rows > 1 else "")
+                    length = (u1 - u0) * ds.unit_bytes
+                    s_off = ps.offset + (u0 - ps.start) * ps.stride + row * ps.row_stride
+                    d_off = ds.offset + (u0 - ds.start) * ds.stride + row * ds.row_stride
+                    whole = s_off == d_off == 0 and length == st.block_bytes == dt.block_bytes
+                    if split and not (whole or by_unit):
+                        raise LayoutError(
+                            f"{_where(dt)} axis {ds.axis!r}: kernel block size source="
+                            f"{sg.kernel_size} destination={dg.kernel_size}, and its units do "
+                            "not list their tokens in order (Shard.token_major), so a slice of "
+                            "a block's units moves only between equal kernel block sizes (use "
+                            "the same attention backend and block size on both sides)"
+                        )
+                    s_pieces.append(_piece(st, sg, s_off, length, name, by_unit))
+                    d_pieces.append(_piece(dt, dg, d_off, length, name, by_unit))
+    if diffs:
+        raise LayoutMismatchError(diffs)
+    if not d_pieces:
+        return None
+    return TPPair(_restricted(src, s_pieces), _restricted(dst, d_pieces), frozenset(groups), units)
+
+
+#: Restricted pairs per destination layout and source layout: built once, like the planner's
+#: templates (which are kept per restricted layout, so rebuilding them per request would lose them).
+_PAIRS: weakref.WeakKeyDictionary[Layout, dict[int, tuple[weakref.ref[Layout], TPPair | None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def restrict_pair(src: Layout, dst: Layout) -> TPPair | None:
+    """The pair of layouts restricted to what moves from source rank ``src`` to destination
+    rank ``dst``, or ``None`` when nothing does. Raises ``LayoutMismatchError`` when the two
+    describe units differently and ``LayoutError`` for slices that are no runs of a block."""
+    memo = _PAIRS.setdefault(dst, {})
+    found = memo.get(id(src))
+    if found is not None and found[0]() is src:
+        return found[1]
+    pair = _build_pair(src, dst)
+    for gone in [k for k, (ref, _) in memo.items() if ref() is None]:
+        del memo[gone]
+    memo[id(src)] = (weakref.ref(src), pair)
+    return pair
+
+
+def _coverage(pairs: Sequence[TPPair | None], dst: Layout) -> None:
+    """Every unit of the destination comes from exactly one source rank."""
+    problems: list[str] = []
+    for key, [(start, end)] in _all_units(dst).items():
+        hits = np.zeros(end - start, dtype=np.int64)
+        for pair in pairs:
+            for a, b in pair.units.get(key, []) if pair else []:
+                hits[a - start : b - start] += 1
+        layer, tensor, axis = key
+        where = f"tensor {layer!r}{'/' + tensor if tensor else ''} axis {axis or '(whole)'!r}"
+        for what, bad in (("held by no source rank", hits == 0), ("read twice", hits > 1)):
+            missing = np.flatnonzero(bad) + start
+            if missing.size:
+                problems.append(f"{where}: units {_ranges(missing.tolist())} {what}")
+    if problems:
+        raise LayoutMismatchError(problems)
+
+
+def _ranges(values: list[int]) -> str:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v:
+            runs[-1][1] = v + 1
+        else:
+            runs.append([v, v + 1])
+    return ", ".join(f"[{a}, {b})" for a, b in runs)
+
+
+def plan_tp_pair(
+    src: Layout,
+    dst: Layout,
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
+    *,
+    merge: bool = True,
+    check: bool = True,
+) -> TransferPlan | None:
+    """The plan moving what source rank ``src`` sends destination rank ``dst``, or ``None``.
+
+    For push (P writes): P rank ``p`` calls it for each D rank. It cannot see the other source
+    ranks, so it does not check that every unit of ``dst`` is covered (``plan_tp_transfers``
+    does).
+    """
+    missing = set(src_block_ids) ^ set(dst_block_ids)
+    if missing:
+        raise BlockIdError(
+            f"block ids for group(s) {sorted(missing)} are given for one side only; give both "
+            "sides' ids for every group that moves"
+        )
+    pair = restrict_pair(src, dst)
+    if pair is None:
+        return None
+    groups = [g for g in dst_block_ids if g in pair.groups]
+    if not groups:
+        return None
+    s_layout, d_layout = (
+        (src, dst) if pair.src is None or pair.dst is None else (pair.src, pair.dst)
+    )
+    return plan_transfers(
+        s_layout, d_layout,
+        {g: src_block_ids[g] for g in groups}, {g: dst_block_ids[g] for g in groups},
+        merge=merge, check=check,
+    )  # fmt: skip
+
+
+def plan_tp_transfers(
+    src_layouts: Sequence[Layout],
+    dst: Layout,
+    src_block_ids: BlockIds | Sequence[BlockIds],
+    dst_block_ids: BlockIds,
+    *,
+    merge: bool = True,
+    check: bool = True,
+) -> dict[int, TransferPlan]:
+    """Plans per source rank for destination rank ``dst`` (pull: D reads each plan from P).
+
+    ``src_layouts[p]`` is source rank ``p``'s layout; ``src_block_ids`` one mapping for every
+    rank (TP ranks share block tables) or one per rank. Ranks with nothing to send get no plan.
+    Raises ``LayoutMismatchError`` naming the units of ``dst`` no source rank holds.
+    """
+    size = len(src_layouts)
+    for rank, layout in enumerate(src_layouts):
+        if (layout.spec.tp_rank, layout.spec.tp_size) != (rank, size):
+            raise LayoutError(
+                f"source layout {rank} says tp_rank {layout.spec.tp_rank} of tp_size "
+                f"{layout.spec.tp_size}; give one layout per source rank, in rank order"
+            )
+    per_rank = [src_block_ids] * size if isinstance(src_block_ids, Mapping) else list(src_block_ids)
+    if len(per_rank) != size:
+        raise BlockIdError(f"{len(per_rank)} source block-id mappings for {size} source ranks")
+    pairs = [restrict_pair(layout, dst) for layout in src_layouts]
+    _coverage(pairs, dst)
+    plans: dict[int, TransferPlan] = {}
+    for rank, layout in enumerate(src_layouts):
+        plan = plan_tp_pair(layout, dst, per_rank[rank], dst_block_ids, merge=merge, check=check)
+        if plan is not None:
+            plans[rank] = plan
+    return plans
+
+
+# --- shards of common model kinds (vLLM's TP sharding) -------------------------------------
+
+
+def attention_shards(
+    num_kv_heads: int,
+    tp_rank: int,
+    tp_size: int,
+    head_bytes: int,
+    *,
+    offset: int = 0,
+    axis: str = "kv_heads",
+    token_major: bool = False,
+    head_stride: int = 0,
+) -> list[Shard]:
+    """KV heads of a head-major attention tensor (``head_bytes``: one head's bytes of a logical
+    block of one part). As vLLM's ``QKVParallelLinear``: with ``K >= T`` heads rank ``r``
+    holds heads ``[r*K/T, (r+1)*K/T)``; else head ``r // (T/K)``, replicated on ``T/K`` ranks.
+    For a tensor moved whole (K and V in one part) give K and V each its own axis and offset.
+    ``head_stride``: bytes from one head to the next when heads are padded (0: packed).
+    ``token_major``: each head's slice of a kernel block lists its tokens in order (``[N, C]``
+    cells), so slices may move between different kernel block sizes.
+    """
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise LayoutError(f"{num_kv_heads} KV heads do not divide over {tp_size} TP ranks")
+        per = num_kv_heads // tp_size
+        return [
+            Shard(axis, tp_rank * per, per, head_bytes, offset, head_stride,
+                  token_major=token_major)
+        ]  # fmt: skip
+    if tp_size % num_kv_heads:
+        raise LayoutError(f"{tp_size} TP ranks do not replicate {num_kv_heads} KV heads evenly")
+    replicas = tp_size // num_kv_heads
+    return [
+        Shard(axis, tp_rank // replicas, 1, head_bytes, offset, head_stride, replicas=replicas,
+              replica=tp_rank % replicas, token_major=token_major)
+    ]  # fmt: skip
+
+
+def mla_shards(block_bytes: int, tp_rank: int, tp_size: int) -> list[Shard]:
+    """MLA's latent cache: the same on every rank, read from one source rank."""
+    return [Shard("latent", 0, 1, block_bytes, replicas=tp_size, replica=tp_rank)]
+
+
+def gdn_conv_shards(
+    key_dim: int,
+    value_dim: int,
+    state_len: int,
+    dtype_bytes: int,
+    tp_rank: int,
+    tp_size: int,
+    conv_layout: str = "SD",
+    offset: int = 0,
+) -> list[Shard]:
+    """A GDN conv state: each rank holds channels ``[q | k | v]`` of its slice of each
+    sub-projection (``key_dim`` channels for q and k, ``value_dim`` for v, sharded evenly).
+
+    ``conv_layout`` as vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: ``"SD"`` (default,
+    ``[state_len, dim]``: every row holds a slice of each sub-projection) or ``"DS"``
+    (``[dim, state_len]``: a channel is ``state_len`` values in a row).
+    """
+    if key_dim % tp_size or value_dim % tp_size:
+        raise LayoutError(f"conv dims {key_dim}/{value_dim} do not divide over {tp_size} ranks")
+    q, v = key_dim // tp_size, value_dim // tp_size
+    dim = 2 * q + v
+    if conv_layout == "SD":
+        unit, rows, row_stride = dtype_bytes, state_len, dim * dtype_bytes
+    elif conv_layout == "DS":
+        unit, rows, row_stride = state_len * dtype_bytes, 1, 0
+    else:
+        raise LayoutError(f"conv state layout {conv_layout!r} is neither 'SD' nor 'DS'")
+    return [
+        Shard(axis, tp_rank * n, n, unit, offset + at * unit, rows=rows, row_stride=row_stride)
+        for axis, n, at in (("conv_q", q, 0), ("conv_k", q, q), ("conv_v", v, 2 * q))
+    ]
+
+
+def gdn_ssm_shards(
+    num_v_heads: int, tp_rank: int, tp_size: int, head_bytes: int, offset: int = 0
+) -> list[Shard]:
+    """A GDN ssm state ``[heads, head_v_dim, head_k_dim]``: rank ``r`` holds its heads."""
+    if num_v_heads % tp_size:
+        raise LayoutError(f"{num_v_heads} ssm heads do not divide over {tp_size} TP ranks")
+    n = num_v_heads // tp_size
+    return [Shard("ssm_heads", tp_rank * n, n, head_bytes, offset)]
