@@ -32,11 +32,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import torch
 
 from kvbridge.core.errors import LayoutError
 from kvbridge.core.groups import CacheGroup, GroupKind
-from kvbridge.core.layout import CacheTensor, KVLayout, LayoutSpec
+from kvbridge.core.layout import CacheTensor, KVLayout, LayoutSpec, Shard
+from kvbridge.core.tp import attention_shards, gdn_conv_shards, gdn_ssm_shards, mla_shards
 
 #: Head slices of attention blocks hold ``[K: N x D][V: N x D]`` (vLLM's CPU backend).
 SPLIT_HEAD_KV = "head_kv"
@@ -103,7 +105,14 @@ def _byte_strides(tensor: torch.Tensor) -> list[int]:
 
 
 def _paged_tensors(
-    layer: str, view: torch.Tensor, group: CacheGroup, ratio: int, split: str
+    layer: str,
+    view: torch.Tensor,
+    group: CacheGroup,
+    ratio: int,
+    split: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads: int | None = None,
 ) -> tuple[list[CacheTensor], str]:
     """Cache tensors of one attention or MLA layer view ``[B*ratio, H, N, C]``, and their format.
 
@@ -113,6 +122,11 @@ def _paged_tensors(
     The format names the order of the bytes inside what moves, so two sides agree on it or are
     refused. A region is token-major (splittable into tokens, which different kernel block
     sizes need) when its tokens are outermost and the backend keeps a token's bytes together.
+
+    ``total_kv_heads`` (the model's KV heads, all ranks together) makes each tensor say which
+    KV heads of TP rank ``tp_rank`` of ``tp_size`` it holds (``CacheTensor.shards``); MLA's
+    latent is replicated on every rank. Per-head
+    tensors are named by their global head (``h{global}``) so that names match across TP sizes.
     """
     if view.dim() != 4:
         raise LayoutError(f"layer {layer!r}: expected a 4-D [B, H, N, C] view, got {view.shape}")
@@ -137,22 +151,57 @@ def _paged_tensors(
     base = int(view.data_ptr())
     # vLLM's CPU backend reads a head's [N, C] as K of its N tokens, then V: not token-major.
     token_split = split != SPLIT_HEAD_KV or group.kind is GroupKind.MLA
+    head_bytes = tokens * cell * ratio  # one head's [N, C] of a logical block
+    mla = group.kind is GroupKind.MLA
     if all(dense):
         block_bytes = heads * tokens * cell
+        shards: list[Shard] | None = None
+        if mla:
+            shards = mla_shards(block_bytes * ratio, tp_rank, tp_size)
+        elif total_kv_heads is not None:
+            # Heads outermost ([H, N, C]): a head's [N, C] is one run of each block. Tokens
+            # outermost ([N, H, C]): a head is one cell in each of the N rows (per kernel block).
+            rows = tokens if heads > 1 and order.startswith("N") else 1
+            shards = attention_shards(
+                total_kv_heads, tp_rank, tp_size,
+                cell * ratio if rows > 1 else head_bytes,
+                token_major=token_split and rows == 1,
+            )  # fmt: skip
+            if rows > 1:
+                shards = [
+                    msgspec.structs.replace(s, rows=rows, row_stride=s_token * ratio)
+                    for s in shards
+                ]
         tensor = CacheTensor(
             layer, group.index, base, s_block * ratio, block_bytes * ratio,
             kv_layout=KVLayout.WHOLE, alloc_addr=alloc_addr, alloc_size=alloc_size,
             token_major=token_split and order.startswith("N"),
+            shards=msgspec.UNSET if shards is None else shards,
         )  # fmt: skip
         return [tensor], f"[{','.join(order)}] {split}"
     if s_token == cell or tokens == 1:
+        # One tensor per head, named by its global head: a count-1 shard each.
+        per_head: list[tuple[str, list[Shard] | msgspec.UnsetType]] = [
+            (f"h{h}", msgspec.UNSET) for h in range(heads)
+        ]
+        if total_kv_heads is not None:
+            [rank_shard] = attention_shards(
+                total_kv_heads, tp_rank, tp_size, head_bytes, token_major=token_split
+            )
+            per_head = [
+                (
+                    f"h{rank_shard.start + h}",
+                    [msgspec.structs.replace(rank_shard, start=rank_shard.start + h, count=1)],
+                )
+                for h in range(heads)
+            ]
         head_tensors = [
             CacheTensor(
-                layer, group.index, base + h * s_head, s_block * ratio, tokens * cell * ratio,
-                kv_layout=KVLayout.WHOLE, tensor=f"h{h}", alloc_addr=alloc_addr,
-                alloc_size=alloc_size, token_major=token_split,
+                layer, group.index, base + h * s_head, s_block * ratio, head_bytes,
+                kv_layout=KVLayout.WHOLE, tensor=name, alloc_addr=alloc_addr,
+                alloc_size=alloc_size, token_major=token_split, shards=head_shards,
             )
-            for h in range(heads)
+            for h, (name, head_shards) in enumerate(per_head)
         ]  # fmt: skip
         return head_tensors, f"per head [N,C] {split}"
     raise LayoutError(
