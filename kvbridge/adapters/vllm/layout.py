@@ -24,6 +24,13 @@ Different kernel block sizes on the two sides need a block split into tokens, wh
 right where tokens are outermost in what moves and the backend keeps a token's bytes together
 (MLA, and ``[N,H,C]`` or per-head regions under a backend other than the CPU one); elsewhere the
 compatibility check refuses different kernel sizes.
+
+Under tensor parallelism each tensor also says which slice of the model's cache the rank holds
+(``CacheTensor.shards``): KV heads as vLLM's ``QKVParallelLinear`` shards them (replicated
+when fewer than ranks), MLA's latent on every rank, GDN's ``[q | k | v]`` conv channels and
+ssm heads. Only head-major blocks (LBHNC, BLHNC; per head LHBNC, BHLNC) hold a head slice as a
+run; ``[N, H, C]`` ones (LBNHC, BLNHC) say so with ``rows``, which ``kvbridge.core.tp``
+refuses between different TP sizes with a message naming the head-major layouts.
 """
 
 from __future__ import annotations
@@ -125,34 +132,45 @@ def _paged_tensors(
 
     ``total_kv_heads`` (the model's KV heads, all ranks together) makes each tensor say which
     KV heads of TP rank ``tp_rank`` of ``tp_size`` it holds (``CacheTensor.shards``); MLA's
-    latent is replicated on every rank. Per-head
-    tensors are named by their global head (``h{global}``) so that names match across TP sizes.
+    latent is replicated on every rank. Per-head tensors are named by their global head
+    (``h{global}``, which is ``h{local}`` at TP 1) so that names match across TP sizes. Where
+    tokens are outermost (``[N, H, C]`` with several heads) a head is one cell in each token's
+    row: such shards have ``rows``, which the TP planner refuses to slice.
     """
     if view.dim() != 4:
         raise LayoutError(f"layer {layer!r}: expected a 4-D [B, H, N, C] view, got {view.shape}")
     if group.kind is GroupKind.MLA and view.shape[1] != 1:
         raise LayoutError(f"MLA layer {layer!r} has {view.shape[1]} head slots, expected 1")
     _, heads, tokens, content = view.shape
+    mla = group.kind is GroupKind.MLA
     s_block, s_head, s_token, s_content = _byte_strides(view)
     esize = view.element_size()
     cell = content * esize  # one token's content in one head
     where = f"shape {tuple(view.shape)}, byte strides {(s_block, s_head, s_token, s_content)}"
     if s_content != esize and content > 1:
         raise LayoutError(f"layer {layer!r}: a token's content is not one dense run ({where})")
-    # Axes inside a kernel block other than C, outermost first; size-1 axes take no part.
+    # Axes inside a kernel block other than C, outermost first; size-1 axes take no part,
+    # but for a rank's one KV head of several (TP): its blocks must read as a slice of the
+    # model's [H, N, C], [N, H, C] or per-head blocks, which its strides tell (tokens outer
+    # on a tie: [N, 1, C] has both strides one cell).
+    one_of_many = not mla and heads == 1 and total_kv_heads is not None and total_kv_heads > 1
     axes = (("H", heads, s_head), ("N", tokens, s_token))
-    inner = sorted((axis for axis in axes if axis[1] > 1), key=lambda axis: -axis[2])
+    inner = sorted(
+        (axis for axis in axes if axis[1] > 1 or (one_of_many and axis[0] == "H")),
+        key=lambda axis: (-axis[2], axis[0] != "N"),
+    )
     dense, expected = [], cell
     for _, size, stride in reversed(inner):
         dense.append(stride == expected)
         expected *= size
     order = "".join(name for name, _, _ in inner) + "C"
+    # A whole block lists tokens in order when no head axis of more than one head precedes.
+    tokens_first = "".join(name for name, size, _ in inner if size > 1).startswith("N")
     alloc_addr, alloc_size = _allocation(view)
     base = int(view.data_ptr())
     # vLLM's CPU backend reads a head's [N, C] as K of its N tokens, then V: not token-major.
     token_split = split != SPLIT_HEAD_KV or group.kind is GroupKind.MLA
     head_bytes = tokens * cell * ratio  # one head's [N, C] of a logical block
-    mla = group.kind is GroupKind.MLA
     if all(dense):
         block_bytes = heads * tokens * cell
         shards: list[Shard] | None = None
@@ -161,7 +179,7 @@ def _paged_tensors(
         elif total_kv_heads is not None:
             # Heads outermost ([H, N, C]): a head's [N, C] is one run of each block. Tokens
             # outermost ([N, H, C]): a head is one cell in each of the N rows (per kernel block).
-            rows = tokens if heads > 1 and order.startswith("N") else 1
+            rows = tokens if "H" in order and order.startswith("N") else 1
             shards = attention_shards(
                 total_kv_heads, tp_rank, tp_size,
                 cell * ratio if rows > 1 else head_bytes,
@@ -175,7 +193,7 @@ def _paged_tensors(
         tensor = CacheTensor(
             layer, group.index, base, s_block * ratio, block_bytes * ratio,
             kv_layout=KVLayout.WHOLE, alloc_addr=alloc_addr, alloc_size=alloc_size,
-            token_major=token_split and order.startswith("N"),
+            token_major=token_split and tokens_first,
             shards=msgspec.UNSET if shards is None else shards,
         )  # fmt: skip
         return [tensor], f"[{','.join(order)}] {split}"
@@ -246,10 +264,75 @@ def _aliased_layer(by_group: dict[int, list[list[CacheTensor]]], num_blocks: int
     return None
 
 
+def _local_kv_heads(total: int, tp_size: int) -> int | None:
+    """KV heads per rank as vLLM's ``QKVParallelLinear`` gives them (``None``: vLLM refuses)."""
+    if total >= tp_size:
+        return total // tp_size if total % tp_size == 0 else None
+    return 1 if tp_size % total == 0 else None
+
+
+def _total_kv_heads(local: int, total: int | None, tp_size: int) -> int | None:
+    """The model's KV heads behind a layer with ``local`` heads per rank, or ``None`` when
+    they cannot be told: the count given when it yields ``local`` per rank; else one rank's
+    count at TP 1, or ``local * tp_size`` when a rank holds several heads (vLLM replicates
+    heads only when each rank holds one)."""
+    if total is not None and total > 0 and _local_kv_heads(total, tp_size) == local:
+        return total
+    if tp_size == 1 or local > 1:
+        return local * tp_size
+    return None
+
+
+def _state_shards(
+    spec: Any, sizes: list[int], tp_rank: int, tp_size: int, conv_layout: str | None
+) -> list[list[Shard]] | None:
+    """Shards of each state of a Mamba layer, or ``None`` for kinds they cannot describe.
+
+    A ``tp_replicated`` state is the same on every rank. GDN (``[q | k | v]`` conv channels,
+    each sub-projection sharded evenly, and ``(v_heads, v_dim, k_dim)`` ssm heads) decomposes
+    as vLLM's own connector does (``ssm_conv_transfer_utils.derive_mamba_conv_split``): the
+    value dim from the ssm state's shape, the key dim from what remains of the conv dim.
+    Mamba1/Mamba2 and other kinds carry none: Mamba2's ``[x | B | C]`` groups are extended
+    when ``n_groups`` does not divide over the ranks, which its spec does not say.
+    """
+    if getattr(spec, "tp_replicated", False):
+        return [[Shard("state", 0, 1, size, replicas=tp_size, replica=tp_rank)] for size in sizes]
+    if getattr(getattr(spec, "mamba_type", None), "name", None) != "GDN_ATTN":
+        return None
+    shapes = [tuple(int(d) for d in shape) for shape in spec.shapes]
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return None
+    if conv_layout is None:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        conv_layout = get_conv_state_layout()
+    conv, (v_heads, v_dim, k_dim) = shapes
+    dim, state_len = conv if conv_layout == "DS" else conv[::-1]
+    key2 = dim - v_heads * v_dim
+    if key2 <= 0 or key2 % 2:
+        return None
+    conv_bytes = torch.empty((), dtype=spec.dtypes[0]).element_size()
+    ssm_bytes = torch.empty((), dtype=spec.dtypes[1]).element_size()
+    return [
+        gdn_conv_shards(
+            key2 // 2 * tp_size, v_heads * v_dim * tp_size, state_len, conv_bytes,
+            tp_rank, tp_size, conv_layout,
+        ),
+        gdn_ssm_shards(v_heads * tp_size, tp_rank, tp_size, v_dim * k_dim * ssm_bytes),
+    ]  # fmt: skip
+
+
 def _state_tensors(
-    layer: str, view: torch.Tensor, spec: Any, group: CacheGroup
+    layer: str,
+    view: torch.Tensor,
+    spec: Any,
+    group: CacheGroup,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    conv_layout: str | None = None,
 ) -> list[CacheTensor]:
-    """One cache tensor per state (conv, ssm, ...) packed in each page of a Mamba/GDN layer."""
+    """One cache tensor per state (conv, ssm, ...) packed in each page of a Mamba/GDN layer,
+    with its shards where the kind has them (``_state_shards``)."""
     pages = view.reshape(view.shape[0], -1) if view.dim() != 2 else view
     if view.dim() == 4 and view.shape[1:3] != (1, 1):
         raise LayoutError(
@@ -268,12 +351,14 @@ def _state_tensors(
             f"{pages.shape[1]} bytes"
         )
     alloc_addr, alloc_size = _allocation(view)
+    shards: list[list[Shard] | msgspec.UnsetType] = [msgspec.UNSET] * len(sizes)
+    shards = list(_state_shards(spec, sizes, tp_rank, tp_size, conv_layout) or shards)
     tensors, offset = [], 0
-    for name, size in zip(state_tensor_names(len(sizes)), sizes, strict=True):
+    for name, size, state_shards in zip(state_tensor_names(len(sizes)), sizes, shards, strict=True):
         tensors.append(
             CacheTensor(
                 layer, group.index, int(view.data_ptr()) + offset, page_stride, size, tensor=name,
-                alloc_addr=alloc_addr, alloc_size=alloc_size,
+                alloc_addr=alloc_addr, alloc_size=alloc_size, shards=state_shards,
             )
         )  # fmt: skip
         offset += size
@@ -288,6 +373,8 @@ def build_layout_spec(
     tp_rank: int = 0,
     tp_size: int = 1,
     engine_layout: str | None = None,
+    total_num_kv_heads: int | Mapping[str, int] | None = None,
+    conv_state_layout: str | None = None,
 ) -> LayoutSpec:
     """The core layout of what a vLLM worker registered.
 
@@ -298,6 +385,17 @@ def build_layout_spec(
     left out. ``split`` says how the backend reads a head's content (see the module doc);
     ``engine_layout`` is vLLM's name of the physical layout, kept for messages (the regions and
     the block format are read from the views themselves).
+
+    Every tensor says which slice of the model's cache TP rank ``tp_rank`` of ``tp_size``
+    holds (``CacheTensor.shards``, what ``kvbridge.core.tp`` moves between TP sizes), at TP 1
+    too: attention's KV heads (``total_num_kv_heads``: vLLM's
+    ``model_config.get_total_num_kv_heads()``, or a count per layer name; without it, or for a
+    layer it does not fit, a rank's heads times ``tp_size`` where a rank holds several, else
+    none), MLA's replicated latent, a ``tp_replicated`` Mamba state, GDN's conv channels and
+    ssm heads (``conv_state_layout``: ``"SD"`` or ``"DS"``, vLLM's ``get_conv_state_layout()``
+    by default). Tensors whose slice cannot be told (Mamba1/Mamba2 states, a single KV head
+    per rank without ``total_num_kv_heads``) carry none, and so move only between equal TP
+    sizes. Between equal TP sizes and ranks shards change nothing: the plans stay the same.
     """
     if split not in (SPLIT_HEAD_KV, SPLIT_OPAQUE):
         raise ValueError(f"split must be {SPLIT_HEAD_KV!r} or {SPLIT_OPAQUE!r}, got {split!r}")
@@ -342,7 +440,9 @@ def build_layout_spec(
             view = kv_caches[layer]
             layer_spec = _spec_of(spec, layer)
             if kind is GroupKind.STATE:
-                state = _state_tensors(layer, view, layer_spec, group)
+                state = _state_tensors(
+                    layer, view, layer_spec, group, tp_rank, tp_size, conv_state_layout
+                )
                 tensors.extend(state)
                 by_group.setdefault(index, []).append(state)
                 dtypes.extend(_dtype_name(d) for d in layer_spec.dtypes)
@@ -352,7 +452,15 @@ def build_layout_spec(
                         f"layer {layer!r}: {view.shape[0]} kernel blocks, the group's first "
                         f"layer has {num_blocks * ratio}"
                     )
-                layer_tensors, block_format = _paged_tensors(layer, view, group, ratio, split)
+                given = (
+                    total_num_kv_heads.get(layer)
+                    if isinstance(total_num_kv_heads, Mapping)
+                    else total_num_kv_heads
+                )
+                total = _total_kv_heads(int(view.shape[1]), given, tp_size)
+                layer_tensors, block_format = _paged_tensors(
+                    layer, view, group, ratio, split, tp_rank, tp_size, total
+                )
                 tensors.extend(layer_tensors)
                 formats.add(f"{kind.value} {block_format}")
                 paged_dtypes.append(_dtype_name(layer_spec.dtype))
