@@ -68,6 +68,13 @@ class ModelCase:
     llm_options: dict[str, Any] = field(default_factory=dict)
     #: Whether the engine keeps a prefix cache (the repeated prompt then hits it on D).
     prefix_cache: bool = True
+    #: Whether D can serve a prompt it loaded from P out of its own prefix cache later. Not
+    #: for hybrids under vLLM 0.32's mamba "align" mode: D caches a state block only at a
+    #: block boundary it computed itself, and a loaded prompt leaves D only the state at its
+    #: end (P, which computed it, keeps the boundary states and hits). Such a case checks
+    #: P's hit for the repeated prompt instead, and that D reports none (so the check flags
+    #: the day D does reuse loaded prefixes).
+    d_reuses_loaded_prefix: bool = True
 
     def build(self, root: Path) -> Path:
         from tests.adapters.vllm.e2e import models
@@ -108,7 +115,7 @@ CASES = {
         # prefix cache are longer than that.
         ModelCase(
             "qwen3_next", "qwen3_next", "bfloat16", (45, 700, 130, 33, 5, 1, 660), repeat=6,
-            block_size=None, tie=0.125,
+            block_size=None, tie=0.125, d_reuses_loaded_prefix=False,
         ),
     )
 }  # fmt: skip
@@ -587,9 +594,13 @@ def run_pair(
         d.close()
         p.close()
     summary["results"] = results
-    summary["prefix_hit"] = all((r["d_cached"] or 0) > 0 for r in results if r["repeat"]) or (
-        not case.prefix_cache
-    )
+    repeats = [r for r in results if r["repeat"]]
+    if not case.prefix_cache:
+        summary["prefix_hit"] = True
+    elif case.d_reuses_loaded_prefix:
+        summary["prefix_hit"] = all((r["d_cached"] or 0) > 0 for r in repeats)
+    else:  # P's hit (the prompt repeated), and none on D, as documented on the case
+        summary["prefix_hit"] = all((r["p_cached"] or 0) > 0 and not r["d_cached"] for r in repeats)
     summary["ok"] = (
         bool(results)
         and all(r["match"] != "mismatch" for r in results)
