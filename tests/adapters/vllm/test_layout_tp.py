@@ -34,7 +34,6 @@ from vllm.model_executor.layers.mamba import mamba_utils
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -42,7 +41,6 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
 )
 
 from kvbridge.adapters.vllm.layout import build_layout_spec
@@ -66,8 +64,8 @@ from tests.adapters.vllm.vllm_caches import (
     distinct_words,
     element_addresses,
     kernel_block_sizes,
+    make_kv_cache_config,
     twin,
-    vllm_config,
 )
 
 HEAD_SIZE = 16
@@ -192,24 +190,10 @@ def conv_state_layout(kind: str) -> Iterator[str]:
             mamba_utils.get_conv_state_layout.cache_clear()
 
 
-def _layer_spec(group_spec: KVCacheSpec, layer: str) -> KVCacheSpec:
-    if isinstance(group_spec, UniformTypeKVCacheSpecs):
-        return group_spec.kv_cache_specs[layer]
-    return group_spec
-
-
 @functools.cache
 def rank_config(kind: str, layout: str, tp: int) -> KVCacheConfig:
     """vLLM's grouping and placement of one rank's layers (every rank of a size alike)."""
-    config = vllm_config(layout)
-    config.parallel_config.tensor_parallel_size = tp
-    groups = get_kv_cache_groups(config, rank_specs(kind, tp))
-    page_bytes = sum(
-        _layer_spec(g.kv_cache_spec, name).page_size_bytes for g in groups for name in g.layer_names
-    )
-    kv_config = get_kv_cache_config_from_groups(config, groups, page_bytes * NUM_BLOCKS)
-    assert kv_config.num_blocks == NUM_BLOCKS
-    return kv_config
+    return make_kv_cache_config(kind, layout, specs=rank_specs(kind, tp), tp_size=tp)
 
 
 def build_rank(kind: str, layout: str, tp: int, ratio: int) -> VllmCaches:

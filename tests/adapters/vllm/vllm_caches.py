@@ -127,11 +127,16 @@ def _is_sliding(spec: KVCacheSpec) -> bool:
     return isinstance(spec, SlidingWindowSpec)
 
 
-def make_kv_cache_config(kind: str, layout: str, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
-    """vLLM's grouping and placement of the model's layers (``VllmRefused`` if it refuses)."""
+def make_kv_cache_config(
+    kind: str, layout: str, num_blocks: int = NUM_BLOCKS, *,
+    specs: dict[str, KVCacheSpec] | None = None, tp_size: int = 1,
+) -> KVCacheConfig:  # fmt: skip
+    """vLLM's grouping and placement of the model's layers (``VllmRefused`` if it refuses);
+    ``specs``: one TP rank's layer specs instead of ``kind``'s (``tp_size`` ranks)."""
     config = vllm_config(layout, num_blocks)
+    config.parallel_config.tensor_parallel_size = tp_size
     try:
-        groups = get_kv_cache_groups(config, model_specs(kind))
+        groups = get_kv_cache_groups(config, specs if specs is not None else model_specs(kind))
         # The override fixes the pool; the memory given is what that pool takes when every
         # layer's page is placed one after the other (the layer-outer bytes per block).
         page_bytes = sum(
