@@ -728,7 +728,8 @@ class TransportConformance:
         start = time.monotonic()
         handle = agent.transport.submit(WRITE, "p", agent.at([0]), at(frozen, [0]), [8 * MiB])
         t0 = time.monotonic()
-        assert agent.transport.poll(handle).state is TransferState.PENDING
+        status = agent.transport.poll(handle)
+        assert status.state is TransferState.PENDING, (status, f"submit took {t0 - start:.3f} s")
         assert time.monotonic() - t0 < 0.5, "poll blocked on a frozen peer"
 
         self._still_works(agent, spawn_peer, peer_bytes)  # while the frozen batch is pending

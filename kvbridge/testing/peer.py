@@ -288,8 +288,25 @@ class PeerProcess:
             return None
         return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = 5.0) -> None:
+        """SIGSTOP the peer and return once every one of its threads has stopped.
+
+        The signal is delivered asynchronously: an engine thread busy on another core may still
+        move bytes for a moment after ``kill`` returns, and a test that submits right after
+        would race it. Bounded: after ``timeout`` (or where ``/proc`` cannot tell) it returns.
+        """
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._all_threads_stopped():
+            time.sleep(0.001)
+
+    def _all_threads_stopped(self) -> bool:
+        try:
+            tasks = list(Path(f"/proc/{self.proc.pid}/task").iterdir())
+            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks]
+        except OSError:  # gone, or no /proc: nothing to wait for
+            return True
+        return all(state in ("T", "t", "Z", "X") for state in states)  # exited ones: Z, X
 
     def thaw(self) -> None:
         if self.alive:
