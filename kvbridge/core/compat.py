@@ -51,7 +51,7 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
         ra = {r.key: r for r in a.group_regions[index].regions}
         rb = {r.key: r for r in b.group_regions[index].regions}
         only_a, only_b = sorted(set(ra) - set(rb)), sorted(set(rb) - set(ra))
-        if only_a or only_b:
+        if (only_a or only_b) and not heterogeneous:  # per-head regions differ across TP
             diffs.append(
                 f"group {index} regions: only on {na}: {_names(only_a)}, "
                 f"only on {nb}: {_names(only_b)}"

@@ -9,9 +9,12 @@ both sides. The ordinary planner (``plan_transfers``) then plans the restricted 
 block mapping, kernel ratios, merging into maximal runs and the overlap checks.
 
 Selection: a unit held by several source ranks (``Shard.replicas`` > 1) is read from the source
-replica ``d.replica % p.replicas``, where ``d.replica`` is the destination's replica index of
-that unit. The rule is local to a pair, so a P rank pushing to a D rank can decide it alone, and
-replicated readers spread over the replicated sources.
+replica ``d.replica * p.replicas // d.replicas``, where ``d.replica`` is the destination's
+replica index of that unit of ``d.replicas``. The rule is local to a pair, so a P rank pushing to
+a D rank can decide it alone; with vLLM's sharding it picks a source rank among
+``contact_ranks`` (D rank ``d`` of ``D`` talks to P ranks ``d // (D/P)`` when ``D >= P``, else
+``[d*P/D, (d+1)*P/D)``), so which ranks talk to which follows from the TP sizes alone and each
+P rank knows how many D ranks end its lease (``reporting_ranks``).
 
 Pairs of layouts with equal TP size, equal rank and identical shards (or none) that
 ``plan_transfers`` accepts are not restricted: they plan exactly as it plans them. (Others go
@@ -195,7 +198,7 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
                     + f", destination unit_bytes={ds.unit_bytes} rows={ds.rows}"
                 )
                 continue
-            if ps.replica != ds.replica % ps.replicas:
+            if ps.replica != ds.replica * ps.replicas // ds.replicas:
                 continue  # another replica of these units serves this destination rank
             a, b = max(ds.start, ps.start), min(ds.end, ps.end)
             if a >= b:
@@ -326,6 +329,93 @@ def plan_tp_pair(
     )  # fmt: skip
 
 
+def contact_ranks(d_rank: int, d_size: int, p_size: int) -> range:
+    """The P ranks D rank ``d_rank`` of ``d_size`` talks to for a request (reads from, or has
+    write to it, and releases): ``d // (D/P)`` when ``D >= P``, else ``[d*P/D, (d+1)*P/D)``.
+
+    With vLLM's TP sharding (and the replica rule of this module) every unit a D rank needs
+    comes from one of them. Raises ``LayoutMismatchError`` unless one size divides the other.
+    """
+    _check_sizes(d_size, p_size)
+    if not 0 <= d_rank < d_size:
+        raise LayoutError(f"decode rank {d_rank} outside TP size {d_size}")
+    if d_size >= p_size:
+        first = d_rank // (d_size // p_size)
+        return range(first, first + 1)
+    per = p_size // d_size
+    return range(d_rank * per, (d_rank + 1) * per)
+
+
+def reporting_ranks(p_rank: int, p_size: int, d_size: int) -> range:
+    """The D ranks whose ``contact_ranks`` hold P rank ``p_rank``: those that end its lease."""
+    _check_sizes(d_size, p_size)
+    if not 0 <= p_rank < p_size:
+        raise LayoutError(f"prefill rank {p_rank} outside TP size {p_size}")
+    if d_size >= p_size:
+        per = d_size // p_size
+        return range(p_rank * per, (p_rank + 1) * per)
+    first = p_rank // (p_size // d_size)
+    return range(first, first + 1)
+
+
+def _check_sizes(d_size: int, p_size: int) -> None:
+    if d_size < 1 or p_size < 1 or (d_size % p_size and p_size % d_size):
+        raise LayoutMismatchError(
+            [
+                f"tp_size: prefill={p_size} decode={d_size}; one must divide the other (as in "
+                "vLLM's own P/D connectors): choose TP sizes such as 1, 2, 4, 8"
+            ]
+        )
+
+
+#: Destination layouts whose coverage by a set of source layouts was checked (weak both ways).
+_COVERED: weakref.WeakKeyDictionary[Layout, list[tuple[weakref.ref[Layout], ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def check_coverage(src_layouts: Mapping[int, Layout], dst: Layout) -> None:
+    """Raise ``LayoutMismatchError`` unless every unit of ``dst`` comes from exactly one of
+    these source ranks (by rank: ``src_layouts[p]`` is rank ``p``'s layout); memoised."""
+    for rank, layout in src_layouts.items():
+        if layout.spec.tp_rank != rank:
+            raise LayoutError(
+                f"source layout given as rank {rank} says tp_rank {layout.spec.tp_rank}"
+            )
+    ordered = tuple(src_layouts[r] for r in sorted(src_layouts))
+    seen = _COVERED.setdefault(dst, [])
+    if any(len(refs) == len(ordered) and all(r() is s for r, s in zip(refs, ordered, strict=True))
+           for refs in seen):  # fmt: skip
+        return
+    _coverage([restrict_pair(layout, dst) for layout in ordered], dst)
+    seen[:] = [refs for refs in seen if all(r() is not None for r in refs)][-7:]
+    seen.append(tuple(weakref.ref(s) for s in ordered))
+
+
+def plan_tp_reads(
+    src_layouts: Mapping[int, Layout],
+    dst: Layout,
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
+    *,
+    merge: bool = True,
+    check: bool = True,
+) -> dict[int, TransferPlan]:
+    """Plans per source rank for destination rank ``dst``, from the source ranks given (those
+    of ``contact_ranks``, or all); every unit of ``dst`` must come from exactly one of them
+    (``check_coverage``). TP ranks share block tables: one mapping of ids serves every rank.
+    Ranks with nothing to send get no plan."""
+    check_coverage(src_layouts, dst)
+    plans: dict[int, TransferPlan] = {}
+    for rank in sorted(src_layouts):
+        plan = plan_tp_pair(
+            src_layouts[rank], dst, src_block_ids, dst_block_ids, merge=merge, check=check
+        )
+        if plan is not None:
+            plans[rank] = plan
+    return plans
+
+
 def plan_tp_transfers(
     src_layouts: Sequence[Layout],
     dst: Layout,
@@ -351,8 +441,7 @@ def plan_tp_transfers(
     per_rank = [src_block_ids] * size if isinstance(src_block_ids, Mapping) else list(src_block_ids)
     if len(per_rank) != size:
         raise BlockIdError(f"{len(per_rank)} source block-id mappings for {size} source ranks")
-    pairs = [restrict_pair(layout, dst) for layout in src_layouts]
-    _coverage(pairs, dst)
+    check_coverage(dict(enumerate(src_layouts)), dst)
     plans: dict[int, TransferPlan] = {}
     for rank, layout in enumerate(src_layouts):
         plan = plan_tp_pair(layout, dst, per_rank[rank], dst_block_ids, merge=merge, check=check)

@@ -23,11 +23,14 @@ from kvbridge.core import (
 from kvbridge.core.layout import Shard
 from kvbridge.core.tp import (
     attention_shards,
+    contact_ranks,
     gdn_conv_shards,
     gdn_ssm_shards,
     mla_shards,
     plan_tp_pair,
+    plan_tp_reads,
     plan_tp_transfers,
+    reporting_ranks,
 )
 
 from .layouts import Arena, apply_plan
@@ -163,6 +166,15 @@ def check_pair(
     plans = plan_tp_transfers(p_layouts, d_layout, p_ids, d_ids)
     reference = reference_tp(m, p_layouts, d_layout, p_ids, d_ids)
     assert set(plans) == set(reference)
+    # D plans from the P ranks it talks to alone (the control plane's view): the same plans
+    contacts = contact_ranks(d_rank, tp_d, tp_p)
+    assert set(plans) <= set(contacts)
+    assert d_rank in reporting_ranks(contacts[0], tp_p, tp_d)
+    mine = plan_tp_reads({q: p_layouts[q] for q in contacts}, d_layout, p_ids, d_ids)
+    assert set(mine) == set(plans)
+    for q, plan in mine.items():
+        np.testing.assert_array_equal(plan.src, plans[q].src)
+        np.testing.assert_array_equal(plan.dst, plans[q].dst)
 
     p_mem = [a.materialise(rng) for a in p_arenas]
     d_mem = d_arena.materialise(rng)
@@ -406,3 +418,18 @@ def test_shards_in_json() -> None:
     assert b"shards" not in plain.to_json()
     with pytest.raises(LayoutError, match="unknown field"):
         Layout.from_json(layout.to_json().replace(b'"replica":0', b'"replica":0,"bogus":1', 1))
+
+
+@pytest.mark.parametrize("tp_p", TPS)
+@pytest.mark.parametrize("tp_d", TPS)
+def test_contacts_and_reporters_agree(tp_p: int, tp_d: int) -> None:
+    """Which D ranks end a P rank's lease is the inverse of which P ranks each D rank talks to."""
+    talks = {(d, p) for d in range(tp_d) for p in contact_ranks(d, tp_d, tp_p)}
+    ends = {(d, p) for p in range(tp_p) for d in reporting_ranks(p, tp_p, tp_d)}
+    assert talks == ends
+    assert {p for _, p in talks} == set(range(tp_p))  # every P rank hears from some D rank
+
+
+def test_sizes_that_do_not_divide_are_refused() -> None:
+    with pytest.raises(LayoutMismatchError, match="one must divide the other"):
+        contact_ranks(0, 3, 2)

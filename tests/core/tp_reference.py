@@ -4,9 +4,9 @@ Written from the model's definition (global KV heads, latent, GDN conv channels 
 sub-projection and ssm heads; vLLM's TP sharding) and the physical layouts the tests build
 (``TPModel``), not from ``Shard`` fields or the core's restriction: for every head/channel and
 every token (or state row) of every block D needs, which P rank it comes from and where it lies
-on both sides. Units held by several P ranks (replicated KV heads, MLA) come from the P replica
-``D's replica index % P's replica count``, D's replica index being its rank among the D ranks
-holding that unit.
+on both sides. Units held by several P ranks (replicated KV heads, MLA) come from the one holder among the P
+ranks D rank ``d`` talks to (the lowest of them): ``d // (D/P)`` when D's TP size ``D`` is at
+least P's ``P``, else ``[d*P/D, (d+1)*P/D)``.
 """
 
 from __future__ import annotations
@@ -114,8 +114,14 @@ def _tensors(layout: Layout) -> dict[tuple[str, str], CacheTensor]:
     return {(t.layer_name, t.tensor): t for t in layout.spec.tensors}
 
 
-def _pick(holders: list[int], d_replica: int) -> int:
-    return holders[d_replica % len(holders)]
+def _contacts(rank: int, tp_d: int, tp_p: int) -> range:
+    if tp_d >= tp_p:
+        return range(rank // (tp_d // tp_p), rank // (tp_d // tp_p) + 1)
+    return range(rank * (tp_p // tp_d), (rank + 1) * (tp_p // tp_d))
+
+
+def _pick(holders: list[int], rank: int, tp_d: int, tp_p: int) -> int:
+    return min(p for p in holders if p in _contacts(rank, tp_d, tp_p))
 
 
 def reference_tp(
@@ -138,7 +144,7 @@ def reference_tp(
                 continue
             key = (dt.layer_name, dt.tensor)
             if dg.kind is GroupKind.MLA:
-                q = rank % tp_p  # D replica = its rank; P replicas = every P rank
+                q = _pick(list(range(tp_p)), rank, tp_d, tp_p)  # every P rank holds it
                 st = p_tensors[q][key]
                 kp, kd = sg.kernel_size, dg.kernel_size
                 for sb, db in pairs:
@@ -158,10 +164,9 @@ def reference_tp(
                         out.setdefault(q, []).append((s, d, model.latent_bytes))
             elif dg.kind.paged:
                 d_heads = heads_of(model, rank, tp_d)
-                d_replica = rank % kv_replicas(model, tp_d)
                 for hd, g in enumerate(d_heads):
                     holders = [p for p in range(tp_p) if g in heads_of(model, p, tp_p)]
-                    q = _pick(holders, d_replica)
+                    q = _pick(holders, rank, tp_d, tp_p)
                     hp = heads_of(model, q, tp_p).index(g)
                     st = p_tensors[q][key]
                     for part in ("K", "V"):
