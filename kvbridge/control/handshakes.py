@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.control.channel import PeerClient
 from kvbridge.control.messages import Handshake
-from kvbridge.control.requests import RequestStats, TransferParams, timed
+from kvbridge.control.requests import RankAddress, RequestStats, timed
 from kvbridge.core.compat import check_compatible
 from kvbridge.core.errors import ControlError, KvbridgeError, LayoutMismatchError, MessageError
 from kvbridge.core.layout import Layout
@@ -128,15 +128,15 @@ class Handshakes:
         )  # fmt: skip
 
     # -- handshaking a prefill engine (D) ---------------------------------------------------------
-    def remote_for(self, params: TransferParams, stats: RequestStats) -> RemoteEngine:
-        """The handshake with P, cached; redone when P restarted (a new engine id)."""
+    def remote_for(self, address: RankAddress, stats: RequestStats) -> RemoteEngine:
+        """The handshake with a P rank, cached; redone when P restarted (a new engine id)."""
         with self._lock:
-            gate = self._handshake_gates.setdefault(params.endpoint, threading.Lock())
+            gate = self._handshake_gates.setdefault(address.endpoint, threading.Lock())
         # A known peer that nobody is handshaking right now: no handshake, no handshake time.
         if gate.acquire(blocking=False):
             try:
-                remote = self.at(params.endpoint)
-                if remote is not None and remote.engine_id == params.engine_id:
+                remote = self.at(address.endpoint)
+                if remote is not None and remote.engine_id == address.engine_id:
                     return remote
             finally:
                 gate.release()
@@ -144,12 +144,12 @@ class Handshakes:
         # instead of each reconnecting the transport under the others' transfers. Waiting for
         # another request's handshake counts as this one's handshake time.
         with timed(stats, "handshake_s"), gate:
-            remote = self.at(params.endpoint)
-            if remote is not None and remote.engine_id == params.engine_id:
+            remote = self.at(address.endpoint)
+            if remote is not None and remote.engine_id == address.engine_id:
                 return remote
-            return self._handshake(params)
+            return self._handshake(address)
 
-    def _handshake(self, params: TransferParams) -> RemoteEngine:
+    def _handshake(self, params: RankAddress) -> RemoteEngine:
         plane = self._plane
         deadline = time.monotonic() + plane.handshake_timeout
         delay = 0.05

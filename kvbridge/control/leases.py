@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
@@ -20,6 +20,7 @@ from kvbridge.control.messages import (
     BlockIds,
     Digest,
     DigestRequest,
+    FromDecodeRank,
     Message,
     Ok,
     PullStart,
@@ -39,7 +40,7 @@ from kvbridge.control.requests import (
 from kvbridge.control.transfers import Transfers
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify, chosen, digest
-from kvbridge.core.planning import plan_transfers
+from kvbridge.core.tp import plan_tp_pair, reporting_ranks
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
 if TYPE_CHECKING:
@@ -49,20 +50,59 @@ log = logging.getLogger("kvbridge.control")
 
 
 @dataclass
+class _Reader:
+    """One decode TP rank's part of a published request: its claim (pull) or P's write (push)."""
+
+    lease: _Lease
+    rank: int
+    engine_id: str = ""
+    pushing: bool = False
+    #: released (pull), the push ended, or the rank reads nothing: its part of the lease is over
+    done: bool = False
+    ok: bool = True
+    reason: str = ""
+    #: P's write in flight (push), released when D aborts
+    handle: TransferHandle | None = None
+
+    @property
+    def params(self) -> TransferParams:
+        return self.lease.params
+
+    @property
+    def aborted(self) -> bool:
+        return self.lease.aborted
+
+
+@dataclass
 class _Lease:
-    """P's hold on a published request's blocks."""
+    """P's hold on a published request's blocks, until every D rank that reads them ended."""
 
     params: TransferParams
     expires_at: float
-    puller: str | None = None
-    pushing: bool = False
-    #: P's write in flight (push), released when D aborts
-    handle: TransferHandle | None = None
+    #: the D ranks that end this lease (``reporting_ranks``), known from the first D rank's word
+    expected: range | None = None
+    readers: dict[int, _Reader] = field(default_factory=dict)
     aborted: bool = False
+
+    @property
+    def pushing(self) -> bool:
+        return any(r.pushing for r in self.readers.values())
+
+    @property
+    def over(self) -> bool:
+        """Every D rank that reads it is done."""
+        return self.expected is not None and all(
+            rank in self.readers and self.readers[rank].done for rank in self.expected
+        )
 
 
 class Leases:
-    """P's published requests: leases, D's claims on them, and the pushes P runs for D."""
+    """P's published requests: leases, D's claims on them, and the pushes P runs for D.
+
+    A lease ends when every D rank that reads from this P rank is done with it
+    (``reporting_ranks`` of D's TP size, learnt from the first D rank's word): released (pull),
+    its push ended, or it had nothing to read here; or when any D rank aborted, or it expired.
+    """
 
     def __init__(self, plane: ControlPlane, peers: Handshakes, transfers: Transfers) -> None:
         self._plane = plane
@@ -70,11 +110,13 @@ class Leases:
         self._transfers = transfers
         self._lock = plane._lock
         self._leases: dict[str, _Lease] = {}
-        # Pushes D asked for before P published: (D, its request, until when).
-        self._pending_push: dict[str, tuple[RemoteEngine, PushRequest, float]] = {}
-        # How finished pushes ended (D may ask again), and requests D withdrew before P saw
-        # them (a late PushRequest or PullStart for them is refused); both until the time given.
-        self._push_results: dict[str, tuple[PushDone, float]] = {}
+        # Pushes D ranks asked for before P published: (D, its request, until when), by
+        # (request id, D rank).
+        self._pending_push: dict[tuple[str, int], tuple[RemoteEngine, PushRequest, float]] = {}
+        # How finished pushes ended (D may ask again), by (request id, D rank), and requests D
+        # withdrew before P saw them (a late PushRequest or PullStart for them is refused);
+        # both until the time given.
+        self._push_results: dict[tuple[str, int], tuple[PushDone, float]] = {}
         self._withdrawn: dict[str, float] = {}
 
     def publish(
@@ -98,10 +140,13 @@ class Leases:
                 return params
             lease = _Lease(params, time.monotonic() + plane.lease)
             self._leases[request_id] = lease
-            pushed = self._pending_push.pop(request_id, None)
-        log.debug("request %s: published (%s)", request_id, "push waiting" if pushed else mode)
-        if pushed is not None:
-            self._start_push(lease, pushed[0], pushed[1])
+            waiting = sorted(key for key in self._pending_push if key[0] == request_id)
+            pushes = [self._pending_push.pop(key) for key in waiting]
+            starts = [(self._join(lease, push[1]), push) for push in pushes]
+        log.debug("request %s: published (%s)", request_id,
+                  f"{len(pushes)} push(es) waiting" if pushes else mode)  # fmt: skip
+        for reader, (remote, request, _) in starts:
+            self._start_push(reader, remote, request)
         return params
 
     def unpublish(self, request_id: str) -> None:
@@ -134,38 +179,81 @@ class Leases:
             self._free(request_id, False, "the control plane was closed")
 
     # -- D's requests -----------------------------------------------------------------------------
+    def _join(self, lease: _Lease, body: FromDecodeRank, peer: str = "") -> _Reader:
+        """The D rank's part of the lease, new; lock held. Refuses a rank that does not read
+        from this P rank, or one that already took its part."""
+        rid = lease.params.request_id
+        spec = self._plane.layout.spec
+        try:
+            expected = reporting_ranks(spec.tp_rank, spec.tp_size, body.tp_size)
+        except KvbridgeError as err:
+            raise MessageError("tp_size", f"request {rid!r}: {err}") from None
+        if lease.expected is not None and lease.expected != expected:
+            raise MessageError(
+                "tp_size", f"request {rid!r} is read by decode ranks {_span(lease.expected)}, "
+                f"not by a decode of TP size {body.tp_size}",
+            )  # fmt: skip
+        if body.rank not in expected:
+            raise MessageError(
+                "not_a_reader",
+                f"decode rank {body.rank} of TP size {body.tp_size} does not read from prefill "
+                f"rank {spec.tp_rank} of {spec.tp_size} (its readers: {_span(expected)})",
+            )
+        if body.rank in lease.readers:
+            raise MessageError("duplicate", f"request {rid!r} is already taken by decode rank "
+                               f"{body.rank}")  # fmt: skip
+        lease.expected = expected
+        reader = _Reader(lease, body.rank, peer)
+        lease.readers[body.rank] = reader
+        return reader
+
     def on_pull_start(self, peer: str, body: PullStart) -> Message:
         with self._lock:
             lease = self._leases.get(body.request_id)
             if lease is None:
                 raise _unknown(body.request_id)
-            if lease.puller is not None or lease.pushing:
+            if any(r.pushing for r in lease.readers.values()):
                 raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
             _require_subset(body.block_ids, lease.params.block_ids, body.request_id)
-            lease.puller = peer
+            self._join(lease, body, peer)
             # D's read may take its transport's timeout, and its engine as long again to give
             # the read back: the blocks must outlive both, whatever is left of the lease.
             lease.expires_at = max(lease.expires_at, time.monotonic() + 2 * self._plane.timeout)
         return Ok()
 
-    def on_release(self, body: Release) -> Message:
-        if not self._free(body.request_id, body.ok,
-                          "released by decode" if body.ok else body.reason):  # fmt: skip
-            raise _unknown(body.request_id)
+    def on_release(self, peer: str, body: Release) -> Message:
+        with self._lock:
+            lease = self._leases.get(body.request_id)
+            if lease is None:
+                raise _unknown(body.request_id)
+            reader = lease.readers.get(body.rank)
+            if reader is None:  # a D rank that read nothing here: its word ends its part
+                reader = self._join(lease, body, peer)
+            elif reader.engine_id != peer or reader.pushing:
+                raise MessageError("not_yours", f"engine {peer!r} cannot release decode rank "
+                                   f"{body.rank}'s part of {body.request_id!r}")  # fmt: skip
+            if reader.done:
+                return Ok()  # a repeated release
+            reader.done, reader.ok = True, body.ok
+            reader.reason = "released by decode" if body.ok else body.reason
+        self._end_if_over(lease)
         return Ok()
 
     def on_digest_request(self, peer: str, body: DigestRequest) -> Message | Future[Message]:
         with self._lock:
             lease = self._leases.get(body.request_id)
+            reader = lease.readers.get(body.rank) if lease is not None else None
             remote = self._peers.peer(peer)
-            if lease is None or lease.puller != peer or remote is None:
+            if lease is None or reader is None or reader.engine_id != peer or remote is None:
                 raise _unknown(body.request_id)
             src_ids = lease.params.block_ids
         try:
             check = Verify(body.verify)
-            plan = plan_transfers(self._plane.layout, remote.layout, src_ids, body.block_ids)
+            plan = plan_tp_pair(self._plane.layout, remote.layout, src_ids, body.block_ids)
         except (ValueError, KvbridgeError) as err:
             raise MessageError("invalid", f"cannot digest {body.request_id!r}: {err}") from None
+        if plan is None:
+            raise MessageError("invalid", f"nothing of {body.request_id!r} moves to that rank")
         # Hashing a large request takes long: the endpoint answers others meanwhile. P still
         # holds the blocks: D keeps its claim until it has the digest.
         which = chosen(plan.count, check, body.request_id)
@@ -174,79 +262,79 @@ class Leases:
     def on_abort(self, body: Abort) -> None:
         rid = body.request_id
         with self._lock:
-            self._pending_push.pop(rid, None)
+            for key in [k for k in self._pending_push if k[0] == rid]:
+                del self._pending_push[key]
             lease = self._leases.get(rid)
             if lease is None:
-                if rid not in self._push_results:
+                if not any(k[0] == rid for k in self._push_results):
                     self._withdrawn[rid] = time.monotonic() + self._plane.lease
                 return
+            lease.aborted = True  # push workers fence their writes, then end their parts
+            handles = [r.handle for r in lease.readers.values() if r.pushing and r.handle]
             pushing = lease.pushing
-            if pushing:  # the push worker fences its write, then frees and says so
-                lease.aborted = True
-            handle = lease.handle
         if not pushing:
             self._free(rid, False, f"aborted by decode: {body.reason}")
-        elif handle is not None:
+        for handle in handles:
             self._plane.transport.release(handle)
 
     def on_push_query(self, body: PushQuery) -> Message:
         rid = body.request_id
         with self._lock:
-            result = self._push_results.get(rid)
+            result = self._push_results.get((rid, body.rank))
             if result is not None:
                 return result[0]
             lease = self._leases.get(rid)
-            if rid in self._pending_push or (lease is not None and lease.pushing):
+            reader = lease.readers.get(body.rank) if lease is not None else None
+            if (rid, body.rank) in self._pending_push or (reader is not None and reader.pushing):
                 return Ok()  # may still write
         raise _unknown(rid)
 
     def on_push_request(self, peer: str, body: PushRequest) -> Message:
+        rid = body.request_id
         with self._lock:
             remote = self._peers.peer(peer)
             if remote is None:
                 raise MessageError("no_handshake", "handshake before requesting a push")
-            if body.request_id in self._withdrawn or body.request_id in self._push_results:
-                raise MessageError(
-                    "withdrawn", f"request {body.request_id!r} was aborted or already pushed"
-                )
+            if rid in self._withdrawn or (rid, body.rank) in self._push_results:
+                raise MessageError("withdrawn", f"request {rid!r} was aborted or already pushed")
             checked_ids(remote.layout, body.block_ids, "destination")
-            lease = self._leases.get(body.request_id)
+            lease = self._leases.get(rid)
             if lease is None:
-                if body.request_id in self._pending_push:
-                    raise MessageError("duplicate", f"push of {body.request_id!r} requested twice")
+                if (rid, body.rank) in self._pending_push:
+                    raise MessageError("duplicate", f"push of {rid!r} requested twice")
                 # P has not finished prefilling yet: write once it publishes.
                 until = time.monotonic() + self._plane.lease
-                self._pending_push[body.request_id] = (remote, body, until)
-                log.debug("request %s: push requested before publish", body.request_id)
+                self._pending_push[(rid, body.rank)] = (remote, body, until)
+                log.debug("request %s: push requested before publish", rid)
                 return Ok()
-            if lease.puller is not None or lease.pushing:
-                raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
-        self._start_push(lease, remote, body)
+            reader = self._join(lease, body, peer)
+        self._start_push(reader, remote, body)
         return Ok()
 
     # -- P's push ---------------------------------------------------------------------------------
-    def _start_push(self, lease: _Lease, remote: RemoteEngine, request: PushRequest) -> None:
+    def _start_push(self, reader: _Reader, remote: RemoteEngine, request: PushRequest) -> None:
         with self._lock:
-            lease.pushing = True
-        self._plane._executor.submit(self._run_push, lease, remote, request, time.monotonic())
+            reader.pushing, reader.engine_id = True, remote.engine_id
+        self._plane._executor.submit(self._run_push, reader, remote, request, time.monotonic())
 
     def _run_push(
-        self, lease: _Lease, remote: RemoteEngine, request: PushRequest, started: float
+        self, reader: _Reader, remote: RemoteEngine, request: PushRequest, started: float
     ) -> None:
         plane, transfers = self._plane, self._transfers
-        rid, block_ids = lease.params.request_id, request.block_ids
+        rid, block_ids = reader.params.request_id, request.block_ids
         stats = RequestStats(queued_s=time.monotonic() - started)
         try:
-            plan = transfers.plan(plane.layout, remote.layout, lease.params.block_ids, block_ids,
-                                  stats)  # fmt: skip
-            try:
-                remote.wait_connected(plane.timeout)
-            except Exception as err:  # the connect's own error says what is wrong
-                raise TransportError(f"the transport could not reach decode: {err}") from None
-            transfers.move(TransferOp.WRITE, remote.engine_id, plan, lease, stats)
+            plan = transfers.plan(plane.layout, remote.layout, reader.params.block_ids,
+                                  block_ids, stats)  # fmt: skip
+            if plan is not None:
+                try:
+                    remote.wait_connected(plane.timeout)
+                except Exception as err:  # the connect's own error says what is wrong
+                    raise TransportError(f"the transport could not reach decode: {err}") from None
+                transfers.move(TransferOp.WRITE, [(remote.engine_id, plan, reader)], stats)
             check = Verify(request.verify)
             value = None
-            if check is not Verify.OFF:
+            if check is not Verify.OFF and plan is not None:
                 value = digest(plan.src, plan.lengths, chosen(plan.count, check, rid))
             done = PushDone(
                 rid, True, "", stats.nbytes, stats.descriptors, stats.descriptors_before_merge,
@@ -255,17 +343,35 @@ class Leases:
             ok, reason = True, "pushed to decode"
         except Exception as err:
             ok, reason = False, str(err)
-            handle = lease.handle
+            handle = reader.handle
             fence = Fence.DRAINED if handle is None else transfers.fence(handle, rid, stats)
             done = PushDone(rid, False, f"prefill could not push: {err}",
                             unconfirmed=fence is not Fence.DRAINED)  # fmt: skip
         with self._lock:
-            self._push_results[rid] = (done, time.monotonic() + plane.lease)
-        # Fenced: the engine reads P's blocks no more, so they may go back now.
+            self._push_results[(rid, reader.rank)] = (done, time.monotonic() + plane.lease)
+            # Fenced: the engine reads P's blocks for this part no more.
+            reader.pushing, reader.done, reader.ok, reader.reason = False, True, ok, reason
+            reader.handle = None
         stats.total_s = time.monotonic() - started
-        self._free(rid, ok, reason, stats)
+        self._end_if_over(reader.lease, stats)
         transfers.report_slow("push", rid, stats)
         plane._fencer.submit(self._deliver, remote.endpoint, done)
+
+    def _end_if_over(self, lease: _Lease, stats: RequestStats | None = None) -> None:
+        """Free the lease once every reader is done, or once an aborted one pushes no more."""
+        with self._lock:
+            if self._leases.get(lease.params.request_id) is not lease:
+                return
+            if lease.aborted and not lease.pushing:
+                ok, reason = False, "aborted by decode"
+            elif lease.over:
+                parts = [lease.readers[r] for r in lease.expected or ()]
+                ok = all(r.ok for r in parts)
+                failed = [r.reason for r in parts if not r.ok]
+                reason = failed[0] if failed else parts[0].reason if parts else ""
+            else:
+                return
+        self._free(lease.params.request_id, ok, reason, stats)
 
     def _deliver(self, endpoint: str, done: PushDone) -> None:
         """Tell D how the push ended; a few tries, and D asks (``PushQuery``) if all fail."""
@@ -299,6 +405,10 @@ class Leases:
             self._plane._record(RequestOutcome(request_id, ok, reason, stats or RequestStats()))
         log.debug("request %s: blocks freed (%s)", request_id, reason)
         return True
+
+
+def _span(ranks: range) -> str:
+    return f"{ranks.start}" if len(ranks) == 1 else f"{ranks.start}-{ranks.stop - 1}"
 
 
 def _unknown(request_id: str) -> MessageError:

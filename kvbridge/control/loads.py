@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbridge.control.channel import PeerClient
-from kvbridge.control.handshakes import Handshakes
+from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.messages import (
     Abort,
     BlockIds,
@@ -32,6 +32,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.requests import (
     Mode,
+    RankAddress,
     RequestOutcome,
     RequestStats,
     TransferParams,
@@ -49,7 +50,8 @@ from kvbridge.core.errors import (
     PeerTimeoutError,
 )
 from kvbridge.core.integrity import Verify, chosen, digest
-from kvbridge.core.planning import TransferPlan, plan_transfers
+from kvbridge.core.planning import TransferPlan
+from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
 if TYPE_CHECKING:
@@ -61,28 +63,59 @@ _A = TypeVar("_A")
 
 
 @dataclass
-class _Pending:
-    """D's view of a request being loaded."""
+class _Part:
+    """D's load of a request from one P rank (one of ``contact_ranks``)."""
 
-    params: TransferParams
-    block_ids: BlockIds
-    deadline: float
-    stats: RequestStats = field(default_factory=RequestStats)
-    started: float = field(default_factory=time.monotonic)
-    aborted: bool = False
-    abort_reason: str = ""
+    pending: _Pending
+    rank: int
+    address: RankAddress
+    remote: RemoteEngine | None = None
+    #: what this P rank moves to this D rank (None: nothing, or not planned yet)
+    plan: TransferPlan | None = None
     #: D's own read in flight (pull), released when the request is aborted
     handle: TransferHandle | None = None
     #: push: the push request was sent (or failed); only then may D ask how the push ended
     asked: threading.Event = field(default_factory=threading.Event)
     #: push: D is asking P how the push ended (deadline passed, aborted, or PushQuery)
     settling: bool = False
+    #: push: P's word arrived (its figures are counted once)
+    reported: bool = False
+    ended: bool = False
+    ok: bool = False
+    reason: str = ""
+
+    @property
+    def params(self) -> TransferParams:
+        return self.pending.params
+
+    @property
+    def aborted(self) -> bool:
+        return self.pending.aborted
+
+
+@dataclass
+class _Pending:
+    """D's view of a request being loaded, from every P rank it needs."""
+
+    params: TransferParams
+    block_ids: BlockIds
+    deadline: float
+    parts: dict[int, _Part] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
+    started: float = field(default_factory=time.monotonic)
+    aborted: bool = False
+    abort_reason: str = ""
     #: since when the outcome waits for a fence (0: not waiting)
     held_since: float = 0.0
 
 
 class Loads:
-    """D's requests being loaded, from ``pull``/``push`` until their outcome."""
+    """D's requests being loaded, from ``pull``/``push`` until their outcome.
+
+    A D rank loads from the P ranks of ``contact_ranks`` (one when P's TP size is at most D's);
+    each is a ``_Part``. The load succeeds when every part did; a failed part ends the load only
+    once every other part is fenced too (no byte of it can land any more).
+    """
 
     def __init__(self, plane: ControlPlane, peers: Handshakes, transfers: Transfers) -> None:
         self._plane = plane
@@ -91,6 +124,8 @@ class Loads:
         self._lock = plane._lock
         self._pending: dict[str, _Pending] = {}
         self._aborted: dict[str, float] = {}  # request ids aborted on D, until when to remember
+        spec = plane.layout.spec
+        self._me = {"rank": spec.tp_rank, "tp_size": spec.tp_size}
 
     def pull(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
         """Start reading a request into these local blocks; the outcome comes later."""
@@ -108,18 +143,24 @@ class Loads:
         with self._lock:
             pending = self._pending.get(rid)
             self._aborted[rid] = time.monotonic() + self._plane.lease
-            handle = None
+            handles = []
             if pending is not None:
                 pending.aborted, pending.abort_reason = True, reason
-                handle = pending.handle
+                handles = [part.handle for part in pending.parts.values() if part.handle]
         if pending is None:
-            self._plane._executor.submit(self._tell, params, Abort(rid, reason))
+            try:
+                addresses = [params.rank(p) for p in self._contacts(params)]
+            except KvbridgeError as err:
+                log.warning("request %s: abort not sent (%s); P's lease frees it", rid, err)
+                return
+            for address in addresses:
+                self._plane._executor.submit(self._tell, address, Abort(rid, reason, **self._me))
         elif params.mode is Mode.PUSH:
             self._settle_push_later(pending, reason)
         else:
             # The pull's worker sees the flag (or its wait fails on the release), fences its
-            # read, reports the outcome and tells P.
-            if handle is not None:
+            # reads, reports the outcome and tells P.
+            for handle in handles:
                 self._plane.transport.release(handle)
 
     @property
@@ -133,8 +174,13 @@ class Loads:
         with self._lock:
             # A pull's worker bounds its own steps and fences its read; a push past its
             # deadline is settled with P.
-            late = [p for p in self._pending.values() if p.deadline < now
-                    and p.params.mode is Mode.PUSH and not p.settling]  # fmt: skip
+            late = [
+                p
+                for p in self._pending.values()
+                if p.deadline < now
+                and p.params.mode is Mode.PUSH
+                and any(not part.settling and not part.ended for part in p.parts.values())
+            ]
             forget_expired(self._aborted, now, lambda until: until)
         for pending in late:
             self._settle_push_later(pending, f"no push within {self._plane.timeout:g} s")
@@ -146,9 +192,14 @@ class Loads:
         for request_id in pending:
             self._finish_pending(request_id, False, "the control plane was closed")
 
+    def _contacts(self, params: TransferParams) -> range:
+        spec = self._plane.layout.spec
+        return contact_ranks(spec.tp_rank, spec.tp_size, params.tp_size)
+
     def _begin(self, params: TransferParams, block_ids: Mapping[int, Any]) -> _Pending:
         plane = self._plane
         ids = checked_ids(plane.layout, block_ids, "destination")
+        contacts = self._contacts(params)
         with self._lock:
             if plane._closed:
                 raise KvbridgeError("the control plane is closed")
@@ -159,81 +210,115 @@ class Loads:
             # Overall bound: handshake, queueing and transfer included.
             deadline = time.monotonic() + plane.handshake_timeout + 2 * plane.timeout
             pending = _Pending(params, ids, deadline)
+            pending.parts = {p: _Part(pending, p, params.rank(p)) for p in contacts}
             self._pending[params.request_id] = pending
         return pending
+
+    def _handshake_all(self, pending: _Pending) -> None:
+        """Handshake with every P rank of the request (cached) and check who they are."""
+        params = pending.params
+        for rank, part in pending.parts.items():
+            remote = self._peers.remote_for(part.address, pending.stats)
+            spec = remote.layout.spec
+            if (spec.tp_rank, spec.tp_size) != (rank, params.tp_size):
+                raise ControlError(
+                    "tp_rank",
+                    f"{part.address.endpoint} is prefill rank {spec.tp_rank} of TP size "
+                    f"{spec.tp_size}; the request names it rank {rank} of {params.tp_size}",
+                )
+            part.remote = remote
+        layouts = {r: part.remote.layout for r, part in pending.parts.items() if part.remote}
+        start = time.monotonic()
+        check_coverage(layouts, self._plane.layout)
+        pending.stats.plan_s += time.monotonic() - start
 
     # -- pull -------------------------------------------------------------------------------------
     def _run_pull(self, pending: _Pending) -> None:
         plane, transfers = self._plane, self._transfers
         params, rid = pending.params, pending.params.request_id
+        parts = list(pending.parts.values())
         pending.stats.queued_s = time.monotonic() - pending.started
         try:
-            remote = self._peers.remote_for(params, pending.stats)
+            self._handshake_all(pending)
             # Ask P (a round trip, or a wait until it published) while planning the read.
-            asked = plane._asker.submit(self._timed_claim, pending)
+            asked = [plane._asker.submit(self._timed_claim, part) for part in parts]
             try:
-                plan = transfers.plan(remote.layout, plane.layout, params.block_ids,
-                                      pending.block_ids, pending.stats)  # fmt: skip
+                for part in parts:
+                    assert part.remote is not None
+                    part.plan = transfers.plan(part.remote.layout, plane.layout,
+                                               params.block_ids, pending.block_ids,
+                                               pending.stats)  # fmt: skip
             finally:
-                wait([asked])  # nothing else is said to P before it answered this
-            asked.result()
-            transfers.move(TransferOp.READ, remote.engine_id, plan, pending, pending.stats)
+                wait(asked)  # nothing else is said to P before it answered this
+            for claim in asked:
+                claim.result()
+            moving = [(part.remote.engine_id, part.plan, part) for part in parts
+                      if part.plan is not None and part.remote is not None]  # fmt: skip
+            transfers.move(TransferOp.READ, moving, pending.stats)
             if plane.verify is not Verify.OFF:
-                self._check_pull(pending, plan)
+                for part in parts:
+                    if part.plan is not None:
+                        self._check_pull(part, part.plan)
         except Exception as err:
-            handle = pending.handle
-            if handle is not None:
+            reading = [part for part in parts if part.handle is not None]
+            if reading:
                 self._hold(pending)
-                fence = transfers.fence(handle, rid, pending.stats)
+            for part in reading:
+                assert part.handle is not None
+                fence = transfers.fence(part.handle, rid, pending.stats)
                 if fence is Fence.UNCONFIRMED:
-                    self._wait_for_answer(pending)
+                    self._wait_for_answer(part)
             reason = f"pull of {rid!r} from {params.endpoint} failed: {err}"
             self._finish_pending(rid, False, reason)
-            plane._executor.submit(self._tell, params, Release(rid, False, str(err)[:4000]))
+            for part in parts:
+                release = Release(rid, False, str(err)[:4000], **self._me)
+                plane._executor.submit(self._tell, part.address, release)
             return
-        # The bytes are in and fenced: the load is done now; P's release is off D's path (one
+        # The bytes are in and fenced: the load is done now; P's releases are off D's path (one
         # that does not arrive is freed by P's lease).
         self._finish_pending(rid, True, "")
-        self._tell(params, Release(rid, True, ""))
+        for part in parts:
+            self._tell(part.address, Release(rid, True, "", **self._me))
 
-    def _timed_claim(self, pending: _Pending) -> None:
-        with timed(pending.stats, "ask_s"):
-            self._claim(pending)
+    def _timed_claim(self, part: _Part) -> None:
+        with timed(part.pending.stats, "ask_s"):
+            self._claim(part)
 
-    def _claim(self, pending: _Pending) -> None:
+    def _claim(self, part: _Part) -> None:
         """Tell P which blocks D reads; wait (bounded) for P to publish a request it has not yet.
 
         A serving engine may hand the transfer parameters to D before its worker has published
         the request (vLLM publishes one engine step after the request finished on P).
         """
-        params, timeout = pending.params, self._plane.timeout
-        client = self._peers.client(params.endpoint)
+        params, timeout = part.params, self._plane.timeout
+        client = self._peers.client(part.address.endpoint)
         deadline = time.monotonic() + timeout
         delay = 0.005
         while True:
             try:
-                client.request(PullStart(params.request_id, params.block_ids), timeout)
+                client.request(PullStart(params.request_id, params.block_ids, **self._me),
+                               timeout)  # fmt: skip
                 return
             except ControlError as err:
-                if err.code != "unknown_request" or pending.aborted:
+                if err.code != "unknown_request" or part.aborted:
                     raise
                 if time.monotonic() + delay > deadline:
                     raise ControlError(err.code, f"{err} (waited {timeout:g} s)") from None
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    def _check_pull(self, pending: _Pending, plan: TransferPlan) -> None:
+    def _check_pull(self, part: _Part, plan: TransferPlan) -> None:
         """Compare P's digest of what it holds with D's of what it read (P still holds it)."""
-        plane = self._plane
+        plane, pending = self._plane, part.pending
         start = time.monotonic()
-        params, rid = pending.params, pending.params.request_id
-        ask = DigestRequest(rid, pending.block_ids, plane.verify.value)
+        rid = pending.params.request_id
+        ask = DigestRequest(rid, pending.block_ids, plane.verify.value, **self._me)
         # P digests its side while D digests its own.
-        asked = plane._fencer.submit(self._peers.client(params.endpoint).request, ask,
+        asked = plane._fencer.submit(self._peers.client(part.address.endpoint).request, ask,
                                      plane.timeout)  # fmt: skip
         mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
         reply = asked.result()
-        pending.stats.verify_s = time.monotonic() - start
+        pending.stats.verify_s += time.monotonic() - start
         theirs = reply.value if isinstance(reply, Digest) else None
         if theirs != mine:
             pending.stats.verify_failed = True
@@ -242,7 +327,7 @@ class Loads:
                 f"the bytes it holds differs from decode's {mine} of what it read"
             )
 
-    def _wait_for_answer(self, pending: _Pending) -> None:
+    def _wait_for_answer(self, part: _Part) -> None:
         """After an ``UNCONFIRMED`` fence: wait until P answers (or is gone), then grace.
 
         A P that answers is running again, so its engine hands over whatever it still held for
@@ -250,116 +335,164 @@ class Loads:
         """
         plane = self._plane
         answer = self._ask_prefill(
-            pending, lambda client: client.request(Ping(), plane.timeout),
-            f"{pending.params.endpoint} answers",
+            part, lambda client: client.request(Ping(), plane.timeout),
+            f"{part.address.endpoint} answers",
         )  # fmt: skip
         if isinstance(answer, Message):
             time.sleep(plane.fence_grace)
 
     # -- push -------------------------------------------------------------------------------------
     def _run_push_request(self, pending: _Pending) -> None:
-        plane = self._plane
         params, rid = pending.params, pending.params.request_id
         pending.stats.queued_s = time.monotonic() - pending.started
         try:
-            self._peers.remote_for(params, pending.stats)
+            self._handshake_all(pending)
             if pending.aborted:  # never asked: P only needs to free its blocks
-                self._tell(params, Abort(rid, pending.abort_reason))
                 raise KvbridgeError("aborted by decode")
-            ask = PushRequest(rid, pending.block_ids, plane.verify.value)
-            with timed(pending.stats, "ask_s"):
-                self._peers.client(params.endpoint).request(ask, plane.timeout)
-            log.debug("request %s: push requested", rid)
+        except Exception as err:  # nothing was asked: no P rank writes anything for it
+            for part in pending.parts.values():
+                self._plane._executor.submit(
+                    self._tell, part.address, Abort(rid, pending.abort_reason or str(err)[:4000],
+                                                    **self._me))  # fmt: skip
+                part.asked.set()
+            self._finish_pending(rid, False, f"push request of {rid!r} failed: {err}")
+            return
+        asks = [self._plane._asker.submit(self._ask_push, part) for part in pending.parts.values()]
+        wait(asks)
+        log.debug("request %s: push requested from %d prefill rank(s)", params.request_id,
+                  len(asks))  # fmt: skip
+        # The outcome arrives as PushDone from each rank, or is settled with P past the deadline.
+
+    def _ask_push(self, part: _Part) -> None:
+        plane, rid = self._plane, part.params.request_id
+        ask = PushRequest(rid, part.pending.block_ids, plane.verify.value, **self._me)
+        try:
+            with timed(part.pending.stats, "ask_s"):
+                self._peers.client(part.address.endpoint).request(ask, plane.timeout)
         except PeerTimeoutError:
             pass  # the request may have reached P: settled with P at the deadline
         except Exception as err:  # refused, P gone, or never sent: P writes nothing for it
-            self._finish_pending(rid, False, f"push request of {rid!r} failed: {err}")
+            self._end_part(part, False, f"push request of {rid!r} failed: {err}")
         finally:
-            pending.asked.set()
-        # The outcome arrives as PushDone, or is settled with P past the deadline.
+            part.asked.set()
 
-    def on_push_done(self, body: PushDone, sender: str | None = None) -> None:
-        """P's word on a push (``sender`` None: P's reply to ``PushQuery``)."""
-        plane = self._plane
+    def on_push_done(self, body: PushDone, sender: str) -> None:
+        """P's word on a push, from the P rank ``sender``."""
         with self._lock:
             pending = self._pending.get(body.request_id)
             if pending is None:
                 return  # late or duplicate: that request has its outcome already
-            if sender is not None and sender != pending.params.engine_id:
+            ranks = pending.parts.values()
+            part = next((p for p in ranks if p.remote and p.remote.engine_id == sender), None)
+            if part is None:
                 raise MessageError(
                     "not_yours",
                     f"engine {sender!r} cannot end the push of {body.request_id!r}: it comes "
-                    f"from {pending.params.engine_id!r}",
+                    f"from {[p.address.engine_id for p in pending.parts.values()]}",
                 )
+        self._reported(part, body)
+
+    def _reported(self, part: _Part, body: PushDone) -> None:
+        """A P rank's word on its push (its ``PushDone``, or its answer to ``PushQuery``)."""
+        plane, pending = self._plane, part.pending
+        with self._lock:
+            if part.reported or part.ended:
+                return
+            part.reported = True
             stats = pending.stats
-            stats.nbytes, stats.descriptors = body.nbytes, body.descriptors
-            stats.descriptors_before_merge = body.descriptors_before_merge
-            stats.plan_s, stats.transfer_s = body.plan_s, body.transfer_s
-            stats.unconfirmed = body.unconfirmed
+            stats.nbytes += body.nbytes
+            stats.descriptors += body.descriptors
+            stats.descriptors_before_merge += body.descriptors_before_merge
+            stats.plan_s = max(stats.plan_s, body.plan_s)
+            stats.transfer_s = max(stats.transfer_s, body.transfer_s)
+            stats.unconfirmed = stats.unconfirmed or body.unconfirmed
             if body.unconfirmed:  # bytes P's engine gave up on may still be applied here
-                pending.settling = True
+                part.settling = True
                 self._hold(pending)
         if body.unconfirmed:
-            plane._fencer.submit(self._finish_after_grace, body.request_id, body.reason)
+            plane._fencer.submit(self._end_after_grace, part, body.reason)
         elif body.ok and plane.verify is not Verify.OFF:
-            plane._executor.submit(self._check_push, pending, body)
+            plane._executor.submit(self._check_push, part, body)
         else:
-            self._finish_pending(body.request_id, body.ok, body.reason)
+            self._end_part(part, body.ok, body.reason)
 
-    def _check_push(self, pending: _Pending, body: PushDone) -> None:
+    def _check_push(self, part: _Part, body: PushDone) -> None:
         """Compare P's digest of what it wrote with D's of what it holds now."""
-        plane = self._plane
+        plane, pending = self._plane, part.pending
         start = time.monotonic()
-        params, rid = pending.params, pending.params.request_id
-        remote = self._peers.at(params.endpoint)
+        rid = pending.params.request_id
         try:
-            if remote is None:
+            if part.remote is None:
                 raise KvbridgeError("no handshake with prefill to plan the check with")
-            plan = plan_transfers(remote.layout, plane.layout, params.block_ids, pending.block_ids)
-            mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
+            plan = plan_tp_pair(part.remote.layout, plane.layout, pending.params.block_ids,
+                                pending.block_ids)  # fmt: skip
+            mine = None
+            if plan is not None:
+                mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
         except Exception as err:
-            self._finish_pending(rid, False, f"integrity check could not run: {err}")
+            self._end_part(part, False, f"integrity check could not run: {err}")
             return
-        pending.stats.verify_s = time.monotonic() - start
+        pending.stats.verify_s += time.monotonic() - start
         if body.digest != mine:
             pending.stats.verify_failed = True
-            self._finish_pending(
-                rid, False,
+            self._end_part(
+                part, False,
                 f"integrity check ({plane.verify.value}) failed: prefill's digest {body.digest} "
                 f"of what it wrote differs from decode's {mine} of what it holds",
             )  # fmt: skip
             return
-        self._finish_pending(rid, True, "")
+        self._end_part(part, True, "")
 
-    def _finish_after_grace(self, rid: str, reason: str) -> None:
+    def _end_after_grace(self, part: _Part, reason: str) -> None:
         time.sleep(self._plane.fence_grace)
-        self._finish_pending(rid, False, reason)
+        self._end_part(part, False, reason)
+
+    def _end_part(self, part: _Part, ok: bool, reason: str) -> None:
+        """A part ended (no byte of it can still land). The load ends with its last part; a
+        failed part has the others given up (aborted and settled with their P ranks) first."""
+        pending = part.pending
+        with self._lock:
+            if part.ended:
+                return
+            part.ended, part.ok, part.reason = True, ok, reason
+            parts = list(pending.parts.values())
+            over = all(p.ended for p in parts)
+        if not over:
+            if not ok:
+                self._settle_push_later(pending, reason)
+            return
+        failed = [p.reason for p in parts if not p.ok]
+        self._finish_pending(pending.params.request_id, not failed, failed[0] if failed else "")
 
     def _settle_push_later(self, pending: _Pending, reason: str) -> None:
         with self._lock:
-            if pending.settling or self._pending.get(pending.params.request_id) is not pending:
+            if self._pending.get(pending.params.request_id) is not pending:
                 return
-            pending.settling = True
-            self._hold(pending)
-        self._plane._fencer.submit(self._settle_push, pending, reason)
+            parts = [p for p in pending.parts.values() if not p.settling and not p.ended]
+            for part in parts:
+                part.settling = True
+            if parts:
+                self._hold(pending)
+        for part in parts:
+            self._plane._fencer.submit(self._settle_push, part, reason)
 
-    def _settle_push(self, pending: _Pending, reason: str) -> None:
+    def _settle_push(self, part: _Part, reason: str) -> None:
         """D gave up waiting for a push (deadline or abort): end it only once P's write is fenced.
 
         Aborts the push, then asks P how it ended until P answers: ``PushDone`` (P fenced its
         write, or it had succeeded), or "unknown" (P holds no write of it).
         """
-        plane, rid = self._plane, pending.params.request_id
-        pending.asked.wait(plane.handshake_timeout + 2 * plane.timeout)
+        plane, rid = self._plane, part.params.request_id
+        part.asked.wait(plane.handshake_timeout + 2 * plane.timeout)
         aborted = False
 
         def query(client: PeerClient) -> PushDone | ControlError | None:
             nonlocal aborted
             try:
                 if not aborted:
-                    client.request(Abort(rid, reason[:4000]), plane.timeout)
+                    client.request(Abort(rid, reason[:4000], **self._me), plane.timeout)
                     aborted = True
-                reply = client.request(PushQuery(rid), plane.timeout)
+                reply = client.request(PushQuery(rid, **self._me), plane.timeout)
             except ControlError as err:
                 if err.code == "unknown_request":
                     return err
@@ -371,27 +504,27 @@ class Loads:
             time.sleep(0.05)  # P is still fencing its write
             return None
 
-        answer = self._ask_prefill(pending, query, "prefill confirms its push ended")
+        answer = self._ask_prefill(part, query, "prefill confirms its push ended")
         if isinstance(answer, PushDone):
-            self.on_push_done(answer)
+            self._reported(part, answer)
         elif isinstance(answer, ControlError):
-            self._finish_pending(rid, False, f"{reason}; prefill holds no write of it")
+            self._end_part(part, False, f"{reason}; prefill holds no write of it")
         elif answer is not None:
-            self._finish_pending(rid, False, f"{reason}; prefill is gone ({answer})")
+            self._end_part(part, False, f"{reason}; prefill is gone ({answer})")
 
     # -- both -------------------------------------------------------------------------------------
     def _ask_prefill(
-        self, pending: _Pending, ask: Callable[[PeerClient], _A | None], waiting: str
+        self, part: _Part, ask: Callable[[PeerClient], _A | None], waiting: str
     ) -> _A | PeerRefusedError | None:
-        """Call ``ask`` with P's client until it has P's answer (not None), and return that.
+        """Call ``ask`` with the P rank's client until it has P's answer (not None); return it.
 
         Returns the refusal when P's address refuses connections: P is gone, and no byte of it
         can land any more; None when the plane closed or the request ended meanwhile. A P that
         does not answer is alive but frozen or cut off: the request stays held (logged,
         ``waiting`` for what), and P is asked again.
         """
-        rid = pending.params.request_id
-        client = self._peers.client(pending.params.endpoint)
+        rid = part.params.request_id
+        client = self._peers.client(part.address.endpoint)
         start = time.monotonic()
         while not self._plane._closed and rid in self._pending:
             try:
@@ -411,13 +544,14 @@ class Loads:
         with self._lock:
             pending.held_since = pending.held_since or time.monotonic()
 
-    def _tell(self, params: TransferParams, body: Release | Abort) -> None:
-        """Send P a release or abort; one that does not arrive is freed by P's lease."""
+    def _tell(self, address: RankAddress, body: Release | Abort) -> None:
+        """Send a P rank a release or abort; one that does not arrive is freed by P's lease."""
         try:
-            self._peers.client(params.endpoint).request(body, self._plane.timeout)
+            self._peers.client(address.endpoint).request(body, self._plane.timeout)
         except Exception as err:
-            log.info("request %s: %s not delivered (%s); P's lease frees it", params.request_id,
-                     type(body).__name__.lower(), err)  # fmt: skip
+            log.info("request %s: %s not delivered to %s (%s); P's lease frees it",
+                     body.request_id, type(body).__name__.lower(), address.endpoint,
+                     err)  # fmt: skip
 
     def _finish_pending(self, request_id: str, ok: bool, reason: str) -> None:
         plane = self._plane

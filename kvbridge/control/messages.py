@@ -25,6 +25,8 @@ BlockIds = dict[Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)], list[BlockId]]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 12)]
+TPSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 12)]
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
@@ -65,14 +67,22 @@ class Handshake(Message, tag="handshake"):
 
 
 # -- request flow ---------------------------------------------------------------------------------
-class PullStart(Message, tag="pull_start"):
+class FromDecodeRank(Message, kw_only=True):
+    """A message a decode TP rank sends about a request: which rank of which TP size it is
+    (P learns which D ranks end its lease: ``kvbridge.core.tp.reporting_ranks``)."""
+
+    rank: Rank = 0
+    tp_size: TPSize = 1
+
+
+class PullStart(FromDecodeRank, tag="pull_start"):
     """D -> P (pull): D is about to read these P blocks of the request."""
 
     request_id: RequestId
     block_ids: BlockIds
 
 
-class Release(Message, tag="release"):
+class Release(FromDecodeRank, tag="release"):
     """D -> P (pull): D is done with the request (read it, or gave up); P may free its blocks."""
 
     request_id: RequestId
@@ -80,14 +90,14 @@ class Release(Message, tag="release"):
     reason: Reason = ""
 
 
-class Abort(Message, tag="abort"):
+class Abort(FromDecodeRank, tag="abort"):
     """D -> P: D no longer wants the request; P frees its blocks at once."""
 
     request_id: RequestId
     reason: Reason = ""
 
 
-class PushRequest(Message, tag="push_request"):
+class PushRequest(FromDecodeRank, tag="push_request"):
     """D -> P (push): write the request into these D blocks, then send ``PushDone``.
 
     ``verify`` (``off``, ``sample``, ``full``): P adds the digest of what it wrote.
@@ -119,7 +129,7 @@ class PushDone(Message, tag="push_done"):
     digest: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
-class PushQuery(Message, tag="push_query"):
+class PushQuery(FromDecodeRank, tag="push_query"):
     """D -> P (push): how did the push of this request end? ``PushDone`` if it ended, ``Ok`` while
     P may still write, ``unknown_request`` when P holds no write of it (D missed ``PushDone``,
     or gave up waiting and must know that no byte can still arrive)."""
@@ -127,7 +137,7 @@ class PushQuery(Message, tag="push_query"):
     request_id: RequestId
 
 
-class DigestRequest(Message, tag="digest_request"):
+class DigestRequest(FromDecodeRank, tag="digest_request"):
     """D -> P (pull, ``verify`` on): digest the bytes D read into these D blocks, as P has them."""
 
     request_id: RequestId

@@ -239,7 +239,7 @@ class ControlPlane:
         if isinstance(body, PullStart):
             return self._prefill.on_pull_start(peer, body)
         if isinstance(body, Release):
-            return self._prefill.on_release(body)
+            return self._prefill.on_release(peer, body)
         if isinstance(body, Abort):
             self._prefill.on_abort(body)
             return Ok()

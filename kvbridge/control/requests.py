@@ -21,6 +21,7 @@ from kvbridge.core.block_mapping import prepare_block_ids
 from kvbridge.core.errors import KvbridgeError, MessageError
 from kvbridge.core.layout import Layout
 
+_K = TypeVar("_K")
 _V = TypeVar("_V")
 
 
@@ -31,8 +32,19 @@ class Mode(str, enum.Enum):
     PUSH = "push"  # D sends its block ids, P writes, then tells D it is done
 
 
+class RankAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """How to reach one prefill TP rank: its control plane's engine id and side channel."""
+
+    engine_id: str
+    endpoint: str
+
+
 class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What P publishes for a request and D needs to fetch it (kv_transfer_params in vLLM)."""
+    """What P publishes for a request and D needs to fetch it (kv_transfer_params in vLLM).
+
+    ``engine_id``/``endpoint`` are P's TP rank 0; ``ranks`` every P rank in order when P runs
+    TP > 1 (empty: rank 0 alone).
+    """
 
     request_id: str
     engine_id: str
@@ -41,6 +53,26 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_tokens: int
     transport: str
     mode: Mode = Mode.PULL
+    ranks: list[RankAddress] = []
+
+    @property
+    def tp_size(self) -> int:
+        """P's TP size."""
+        return len(self.ranks) or 1
+
+    def rank(self, p_rank: int) -> RankAddress:
+        """How to reach P's TP rank ``p_rank``."""
+        if not self.ranks:
+            if p_rank:
+                raise KvbridgeError(f"prefill rank {p_rank} of a TP 1 prefill")
+            return RankAddress(self.engine_id, self.endpoint)
+        return self.ranks[p_rank]
+
+    def __post_init__(self) -> None:
+        if self.ranks and (self.ranks[0].engine_id, self.ranks[0].endpoint) != (
+            self.engine_id, self.endpoint,
+        ):  # fmt: skip
+            raise msgspec.ValidationError("ranks[0] must be engine_id and endpoint (P's rank 0)")
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
@@ -52,6 +84,12 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return msgspec.convert(dict(data), cls, strict=False)
         except msgspec.ValidationError as err:
             raise MessageError("invalid", f"invalid transfer parameters: {err}") from None
+
+
+def rank_engine_id(engine_id: str, tp_rank: int, tp_size: int) -> str:
+    """The engine id of one TP rank's control plane: every rank is its own peer to the other
+    side (its own transport connection and leases); TP 1 keeps the engine's id."""
+    return engine_id if tp_size == 1 else f"{engine_id}.tp{tp_rank}"
 
 
 @dataclass
@@ -118,10 +156,10 @@ def checked_ids(layout: Layout, block_ids: Mapping[int, Any], side: str) -> Bloc
     return ids
 
 
-def forget_expired(table: dict[str, _V], now: float, until: Callable[[_V], float]) -> None:
+def forget_expired(table: dict[_K, _V], now: float, until: Callable[[_V], float]) -> None:
     """Drop the entries of a table of remembered request ids whose ``until`` time has passed.
 
     Call with the plane's lock held.
     """
-    for request_id in [r for r, value in table.items() if until(value) < now]:
-        del table[request_id]
+    for key in [k for k, value in table.items() if until(value) < now]:
+        del table[key]

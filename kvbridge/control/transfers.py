@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.control.messages import BlockIds
 from kvbridge.control.requests import RequestStats, TransferParams
 from kvbridge.core.errors import KvbridgeError
 from kvbridge.core.layout import Layout
-from kvbridge.core.planning import TransferPlan, plan_transfers
+from kvbridge.core.planning import TransferPlan
+from kvbridge.core.tp import plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
 if TYPE_CHECKING:
@@ -24,12 +26,16 @@ log = logging.getLogger("kvbridge.control")
 
 
 class Holder(Protocol):
-    """A request whose transfer an abort may stop: P's lease (push) or D's load (pull)."""
+    """A transfer an abort may stop: one D rank's part of P's lease (push) or of D's load (pull)."""
 
-    params: TransferParams
     #: the transfer in flight, for the abort to release and the failure to fence
     handle: TransferHandle | None
-    aborted: bool
+
+    @property
+    def params(self) -> TransferParams: ...
+
+    @property
+    def aborted(self) -> bool: ...
 
 
 class Transfers:
@@ -42,37 +48,46 @@ class Transfers:
     @staticmethod
     def plan(
         src: Layout, dst: Layout, src_ids: BlockIds, dst_ids: BlockIds, stats: RequestStats
-    ) -> TransferPlan:
+    ) -> TransferPlan | None:
+        """What source rank ``src`` moves to destination rank ``dst`` (``None``: nothing); its
+        time and size add to ``stats`` (a load from several P ranks sums its parts)."""
         start = time.monotonic()
-        plan = plan_transfers(src, dst, src_ids, dst_ids)
-        stats.plan_s = time.monotonic() - start
-        stats.nbytes, stats.descriptors = plan.nbytes, plan.count
-        stats.descriptors_before_merge = plan.unmerged
+        plan = plan_tp_pair(src, dst, src_ids, dst_ids)
+        stats.plan_s += time.monotonic() - start
+        if plan is not None:
+            stats.nbytes += plan.nbytes
+            stats.descriptors += plan.count
+            stats.descriptors_before_merge += plan.unmerged
         return plan
 
     def move(
-        self, op: TransferOp, peer: str, plan: TransferPlan, holder: Holder, stats: RequestStats
-    ) -> None:
-        """Submit the plan and wait for it; ``holder.handle`` keeps the batch for abort and fence.
+        self, op: TransferOp, parts: Sequence[tuple[str, TransferPlan, Holder]],
+        stats: RequestStats,
+    ) -> None:  # fmt: skip
+        """Submit each part's plan to its peer, then wait for them all; each ``holder.handle``
+        keeps its batch for abort and fence (on failure the caller fences every one set).
 
-        An abort that came before the submission stops it; one that comes during it finds the
+        An abort that came before a submission stops it; one that comes during it finds the
         handle and releases it (the wait then fails, and the caller fences).
         """
         transport = self._plane.transport
         start = time.monotonic()
-        with self._lock:
-            if holder.aborted:
-                raise KvbridgeError("aborted by decode before the transfer started")
-        local, remote, lengths = plan.local_remote(op)
-        handle = transport.submit(op, peer, local, remote, lengths)
-        log.debug("request %s: %s of %d descriptors submitted", holder.params.request_id,
-                  op.value, len(lengths))  # fmt: skip
-        with self._lock:
-            holder.handle = handle
-            aborted = holder.aborted
-        if aborted:
-            transport.release(handle)
-        transport.wait(handle)
+        for peer, plan, holder in parts:
+            with self._lock:
+                if holder.aborted:
+                    raise KvbridgeError("aborted by decode before the transfer started")
+            local, remote, lengths = plan.local_remote(op)
+            handle = transport.submit(op, peer, local, remote, lengths)
+            log.debug("request %s: %s of %d descriptors submitted to %s",
+                      holder.params.request_id, op.value, len(lengths), peer)  # fmt: skip
+            with self._lock:
+                holder.handle = handle
+                aborted = holder.aborted
+            if aborted:
+                transport.release(handle)
+        for _, _, holder in parts:
+            assert holder.handle is not None
+            transport.wait(holder.handle)
         stats.transfer_s = time.monotonic() - start
 
     def fence(self, handle: TransferHandle, rid: str, stats: RequestStats) -> Fence:

@@ -140,7 +140,8 @@ def handle(
             return sorted(plane._prefill._withdrawn)
     if name == "pullers":
         with plane._lock:
-            return {r: lease.puller for r, lease in plane._prefill._leases.items()}
+            return {r: next((reader.engine_id for reader in lease.readers.values()), None)
+                    for r, lease in plane._prefill._leases.items()}  # fmt: skip
     if name == "verify":
         return verify(cmd, config, arena, layout, original)
     if name == "fault":  # switch an injected fault on or off while the engine runs
@@ -157,7 +158,11 @@ def handle(
         return plane.held
     if name == "reading":  # D: loads whose transfer is in the transport, or that have ended
         with plane._decode._lock:
-            reading = [r for r, p in plane._decode._pending.items() if p.handle is not None]
+            reading = [
+                r
+                for r, p in plane._decode._pending.items()
+                if any(part.handle is not None for part in p.parts.values())
+            ]
         with plane._finished_cond:
             return sorted([*reading, *plane._finished])
     if name == "transport":  # what the transport announces to peers (Mooncake: its session)
@@ -165,7 +170,7 @@ def handle(
                 "session": getattr(plane.transport, "session", None)}  # fmt: skip
     if name == "pending_push":
         with plane._lock:
-            return sorted(plane._prefill._pending_push)
+            return sorted(rid for rid, _ in plane._prefill._pending_push)
     if name == "close":
         plane.close()
         registered = getattr(plane.transport, "registered", None)
