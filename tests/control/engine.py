@@ -27,9 +27,12 @@ from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core import Layout, plan_transfers
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
+from kvbridge.core.layout import KVLayout
 from kvbridge.demo import AddressMap, Arena
 from kvbridge.model_shapes import ModelShape, layout_spec
 from kvbridge.testing.reply_stream import take_stdout
+from tests.core.tp_layouts import build_rank
+from tests.core.tp_reference import TPModel, reference_tp
 
 TINY_HYBRID = ModelShape(
     name="tiny-hybrid", source="test shape", num_layers=8, num_kv_heads=2, head_dim=64,
@@ -39,9 +42,27 @@ TINY_HYBRID = ModelShape(
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def tp_model(config: dict[str, Any]) -> TPModel:
+    """The test model of a TP engine (``config["tp"]``: ``model`` fields, ``rank``, ``size``)."""
+    fields = dict(config["tp"]["model"])
+    if "kv_layout" in fields:
+        fields["kv_layout"] = KVLayout(fields["kv_layout"])
+    return TPModel(**fields)
+
+
 def build_cache(config: dict[str, Any], seed: int) -> tuple[Arena, Layout]:
-    """The engine's cache; ``kv_heads``/``head_dim``/``layers`` in ``config`` resize the model."""
+    """The engine's cache; ``kv_heads``/``head_dim``/``layers`` in ``config`` resize the model.
+
+    With ``tp`` in ``config``: TP rank ``tp.rank`` of ``tp.size`` of a ``TPModel``, its tensors
+    carrying shards as vLLM shards them (``tests.core.tp_layouts``), over real memory.
+    """
     arena = Arena()
+    if "tp" in config:
+        tp = config["tp"]
+        layout = build_rank(tp_model(config), tp["rank"], tp["size"], tp.get("kernel", 4),
+                            arena, config["num_blocks"])  # fmt: skip
+        arena.fill(seed)
+        return arena, layout
     shape = dataclasses.replace(
         TINY_HYBRID,
         num_kv_heads=config.get("kv_heads", TINY_HYBRID.num_kv_heads),
@@ -144,6 +165,8 @@ def handle(
                     for r, lease in plane._prefill._leases.items()}  # fmt: skip
     if name == "verify":
         return verify(cmd, config, arena, layout, original)
+    if name == "verify_tp":
+        return verify_tp(cmd, config, arena, layout, original)
     if name == "fault":  # switch an injected fault on or off while the engine runs
         if cmd.get("on", True):
             inject_fault(plane, cmd["name"])
@@ -274,6 +297,34 @@ def verify(
         if not np.array_equal(got, want):
             return {"ok": False, "buffer": i, "byte": int(np.flatnonzero(got != want)[0])}
     return {"ok": True, "bytes": int(sum(b.size for b in arena.buffers))}
+
+
+def verify_tp(
+    cmd: dict[str, Any], config: dict[str, Any], arena: Arena, layout: Layout,
+    original: list[np.ndarray],
+) -> dict[str, Any]:  # fmt: skip
+    """Check every byte of this D rank against the slow per-unit reference (not the planner):
+    regenerate every P rank's cache (``cmd["sources"]``: their configs in rank order), and for
+    each request (``cmd["requests"]``: P ids, D ids) put where the reference says each byte of
+    D comes from; every other byte must be unchanged."""
+    p_caches = [build_cache(source, source["seed"]) for source in cmd["sources"]]
+    p_layouts = [layout for _, layout in p_caches]
+    expected = [b.copy() for b in original]
+    target = AddressMap(arena.bases, expected)
+    moved = 0
+    for p_ids, d_ids in cmd["requests"]:
+        ref = reference_tp(tp_model(config), p_layouts, layout,
+                           {int(k): v for k, v in p_ids.items()},
+                           {int(k): v for k, v in d_ids.items()})  # fmt: skip
+        for q, descriptors in ref.items():
+            src = AddressMap(p_caches[q][0].bases, p_caches[q][0].buffers)
+            for s, d, n in descriptors:
+                target.view(d, n)[:] = src.view(s, n)
+                moved += n
+    for i, (got, want) in enumerate(zip(arena.buffers, expected, strict=True)):
+        if not np.array_equal(got, want):
+            return {"ok": False, "buffer": i, "byte": int(np.flatnonzero(got != want)[0])}
+    return {"ok": True, "bytes": moved}
 
 
 _replies: Any = None  # the reply stream, set by main()

@@ -26,7 +26,6 @@ from kvbridge.core.tp import (
     contact_ranks,
     gdn_conv_shards,
     gdn_ssm_shards,
-    mla_shards,
     plan_tp_pair,
     plan_tp_reads,
     plan_tp_transfers,
@@ -35,102 +34,18 @@ from kvbridge.core.tp import (
 
 from .layouts import Arena, apply_plan
 from .reference import minimum_descriptor_count
+from .tp_layouts import NUM_BLOCKS, build_rank, build_side, tp_groups
 from .tp_reference import (
-    CHANNEL,
     TPModel,
-    conv_bytes,
-    local_heads,
     reference_tp,
 )
 
 TPS = [1, 2, 4, 8]
-NUM_BLOCKS = 6
-
-
-def _groups(m: TPModel, kernel: int) -> list[CacheGroup]:
-    if m.kind == "mla":
-        return [CacheGroup(0, GroupKind.MLA, m.block, NUM_BLOCKS, kernel)]
-    groups = [CacheGroup(0, GroupKind.ATTENTION, m.block, NUM_BLOCKS, kernel)]
-    if m.kind == "swa":
-        groups.append(
-            CacheGroup(1, GroupKind.SLIDING_WINDOW, m.block, NUM_BLOCKS, kernel, m.window)
-        )
-    if m.kind == "gdn":
-        groups.append(CacheGroup(1, GroupKind.STATE, m.block, NUM_BLOCKS))
-    return groups
-
-
-def _attention(m: TPModel, arena: Arena, name: str, g: CacheGroup, rank: int, tp: int):
-    ratio = m.block // g.kernel_size
-    part = local_heads(m, tp) * (g.kernel_size * m.head_bytes + m.head_pad)  # K of a kernel block
-    head = m.block * m.head_bytes
-    head_stride = m.block * m.head_bytes + ratio * m.head_pad if m.head_pad else 0
-    shards = attention_shards(
-        m.kv_heads, rank, tp, head, token_major=m.units_token_major, head_stride=head_stride
-    )
-    if m.kv_layout is KVLayout.K_FIRST:
-        stride = (part + m.pad) * ratio
-        addr = arena.allocate(2 * NUM_BLOCKS * stride)
-        return CacheTensor(
-            name, g.index, addr, stride, part * ratio, KVLayout.K_FIRST,
-            v_addr=addr + NUM_BLOCKS * stride, token_major=False, shards=shards,
-        )  # fmt: skip
-    stride = (2 * part + m.pad) * ratio
-    addr = arena.allocate(NUM_BLOCKS * stride)
-    if m.kv_layout is KVLayout.WHOLE:  # [K heads | V heads] moved as one part: an axis each
-        k_heads, v_heads = (
-            attention_shards(m.kv_heads, rank, tp, head, axis=axis, offset=at,
-                             token_major=m.units_token_major, head_stride=head_stride)
-            for axis, at in (("k_heads", 0), ("v_heads", part * ratio))
-        )  # fmt: skip
-        return CacheTensor(name, g.index, addr, stride, 2 * part * ratio, KVLayout.WHOLE,
-                           token_major=False, shards=k_heads + v_heads)  # fmt: skip
-    return CacheTensor(name, g.index, addr, stride, part * ratio, token_major=False, shards=shards)
-
-
-def build_rank(m: TPModel, rank: int, tp: int, kernel: int, arena: Arena) -> Layout:
-    """Rank ``rank`` of ``tp``: the layout ``tp_reference.TPModel`` describes, over ``arena``."""
-    groups = _groups(m, kernel)
-    tensors: list[CacheTensor] = []
-    for layer in range(m.layers):
-        for g in groups:
-            name = f"l{layer}.g{g.index}"
-            if g.kind is GroupKind.MLA:
-                ratio = m.block // g.kernel_size
-                stride = (g.kernel_size * m.latent_bytes + m.pad) * ratio
-                addr = arena.allocate(NUM_BLOCKS * stride)
-                per_block = m.block * m.latent_bytes
-                tensors.append(CacheTensor(name, g.index, addr, stride, per_block,
-                                           shards=mla_shards(per_block, rank, tp)))  # fmt: skip
-            elif g.kind is GroupKind.STATE:
-                conv = conv_bytes(m, tp)
-                ssm = m.v_heads // tp * m.ssm_head_bytes
-                page = conv + ssm + m.pad
-                base = arena.allocate(NUM_BLOCKS * page)
-                size = NUM_BLOCKS * page
-                conv_shards = gdn_conv_shards(
-                    m.key_dim, m.value_dim, m.state_len, CHANNEL, rank, tp, m.conv_layout
-                )
-                ssm_shards = gdn_ssm_shards(m.v_heads, rank, tp, m.ssm_head_bytes)
-                tensors += [
-                    CacheTensor(name, g.index, base, page, conv, tensor="conv",
-                                alloc_addr=base, alloc_size=size, shards=conv_shards),
-                    CacheTensor(name, g.index, base + conv, page, ssm, tensor="ssm",
-                                alloc_addr=base, alloc_size=size, shards=ssm_shards),
-                ]  # fmt: skip
-            else:
-                tensors.append(_attention(m, arena, name, g, rank, tp))
-    return Layout(LayoutSpec(groups, tensors, tp_rank=rank, tp_size=tp))
-
-
-def build_side(m: TPModel, tp: int, kernel: int) -> tuple[list[Layout], list[Arena]]:
-    arenas = [Arena() for _ in range(tp)]
-    return [build_rank(m, r, tp, kernel, arenas[r]) for r in range(tp)], arenas
 
 
 def request(m: TPModel, rng: np.random.Generator) -> tuple[dict, dict]:
     p_ids, d_ids = {}, {}
-    for g in _groups(m, m.block):
+    for g in tp_groups(m, m.block):
         n = int(rng.integers(1, NUM_BLOCKS - 1))
         if g.kind is GroupKind.STATE:
             p = rng.permutation(np.arange(1, NUM_BLOCKS))[:n].tolist()
