@@ -7,7 +7,8 @@ starts publishes, loads and releases without blocking the forward pass. Options 
 
 ``transport`` (entry-point name, default ``mooncake``), ``transport_options`` (keyword options
 of the transport), ``mode`` (``pull`` or ``push``), ``host`` (side channel, ``127.0.0.1``),
-``port`` (side channel of TP rank 0, default 5790; rank r uses port + r), ``timeout`` (s),
+``port`` (side channel of TP rank 0, default 5790; TP rank r binds port + r, so an engine of
+TP size n needs ports port..port+n-1 free and reachable from the other side), ``timeout`` (s),
 ``lease`` (s), ``secret`` (shared token authenticating peers), ``kv_split`` (``head_kv`` for
 vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform), ``kv_layout``
 (the physical KV cache layout to ask vLLM for: ``auto``, or one of vLLM's ``KVCacheLayout``
@@ -53,6 +54,7 @@ from kvbridge.adapters.vllm.prom_metrics import KVBridgePromMetrics
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.control.plane import ControlPlane, Mode, TransferParams
+from kvbridge.control.requests import RankAddress, rank_engine_id
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport, load_transport_class
@@ -289,17 +291,18 @@ class Options:
 
 
 def refuse_unsupported_parallelism(vllm_config: Any) -> None:
-    """Stop the engine at start where kvbridge cannot move the KV right yet: TP > 1.
+    """Stop the engine at start where kvbridge cannot move the KV right: pipeline parallelism.
 
-    Every D rank would load from P's rank 0 (the transfer parameters name one endpoint), so
-    each request's load would fail on all but one rank and be recomputed: no wrong token, but
-    no gain either, and P's other ranks would hold their blocks until the lease ends.
+    A pipeline stage holds only its layers; P and D stages would have to pair up layer by
+    layer, which the transfer parameters do not say. Tensor parallelism is supported (each TP
+    rank is a peer of its own; D's ranks load from the P ranks holding their slices).
     """
-    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
     if size > 1:
         raise ValueError(
-            f"kvbridge: tensor_parallel_size={size} is not supported yet (P/D transfers between "
-            "TP ranks are not implemented); run P and D with tensor_parallel_size 1"
+            f"kvbridge: pipeline_parallel_size={size} is not supported (P/D transfers between "
+            "pipeline stages are not implemented); run P and D with pipeline_parallel_size 1 "
+            "(tensor_parallel_size may differ between them)"
         )
 
 
@@ -347,9 +350,18 @@ def required_layout(options: Options, use_mla: bool) -> str | None:
 
 
 def endpoint_of(options: Options, tp_rank: int = 0) -> str:
-    """The side-channel address of a TP rank's control plane."""
+    """The side-channel address of a TP rank's control plane (``port + tp_rank``)."""
     host = f"[{options.host}]" if ":" in options.host else options.host
     return f"tcp://{host}:{options.port + tp_rank}"
+
+
+def rank_addresses(options: Options, engine_id: str, tp_size: int) -> list[RankAddress]:
+    """How D reaches each of this engine's TP ranks: what the scheduler puts into the transfer
+    parameters before any worker exists (each worker binds ``port + tp_rank``)."""
+    return [
+        RankAddress(rank_engine_id(engine_id, rank, tp_size), endpoint_of(options, rank))
+        for rank in range(tp_size)
+    ]
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -385,10 +397,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_now: set[str] = set()  # loads that could not even start
         self._stats = KVBridgeStats()
         if role == KVConnectorRole.SCHEDULER:
+            tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
             self.scheduler = SchedulerState(
                 groups,
                 engine_id=self.engine_id,
-                endpoint=endpoint_of(self.options),
+                ranks=rank_addresses(self.options, self.engine_id, tp_size),
                 transport=self.options.transport,
                 mode=self.options.mode,
             )
@@ -460,9 +473,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         engine_layout = getattr(self._kv_cache_config, "kv_cache_layout", None) or getattr(
             cache_config, "kv_cache_layout", None
         )
+        model = getattr(self._vllm_config, "model_config", None)
+        total_heads = None
+        if model is not None and not getattr(model, "use_mla", False):
+            total_heads = int(model.get_total_num_kv_heads())
         spec = build_layout_spec(
             self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size,
-            engine_layout=engine_layout,
+            engine_layout=engine_layout, total_num_kv_heads=total_heads,
         )  # fmt: skip
         transport_cls = load_transport_class(self.options.transport)
         options = self.options.transport_timed()
@@ -473,11 +490,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         # Through the module's ``load_transport``: the e2e fault injection wraps it there.
         transport = load_transport(self.options.transport, **options)
         self.plane = ControlPlane(
-            Layout(spec), transport, engine_id=self.engine_id, host=self.options.host,
+            Layout(spec), transport, engine_id=rank_engine_id(self.engine_id, tp_rank, tp_size),
+            host=self.options.host,
             port=self.options.port + tp_rank, secret=self.options.secret,
             timeout=self.options.timeout, lease=self.options.lease, verify=self.options.verify,
         )  # fmt: skip
-        log.info("kvbridge: %s registered, side channel %s", self.engine_id, self.plane.endpoint)
+        log.info("kvbridge: %s (TP rank %d of %d) registered, side channel %s",
+                 self.plane.engine_id, tp_rank, tp_size, self.plane.endpoint)  # fmt: skip
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata

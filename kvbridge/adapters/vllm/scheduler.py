@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.control.plane import Mode, TransferParams
+from kvbridge.control.requests import RankAddress
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 
@@ -88,8 +89,9 @@ def _remote_params(params: Mapping[str, Any]) -> TransferParams | None:
 class SchedulerState:
     """The connector's scheduler-side state for one engine.
 
-    ``engine_id``, ``endpoint`` and ``transport`` must be what the worker's ``ControlPlane``
-    reports (the worker binds a fixed port so the scheduler can name it before it exists).
+    ``engine_id`` is the engine's (vLLM's) id; ``ranks`` (one per TP rank, in order) and
+    ``transport`` must be what the workers' ``ControlPlane``s report (each worker binds a fixed
+    port so the scheduler can name it before it exists); ``endpoint`` is rank 0's.
     """
 
     def __init__(
@@ -97,14 +99,17 @@ class SchedulerState:
         groups: Sequence[GroupInfo],
         *,
         engine_id: str,
-        endpoint: str,
+        ranks: Sequence[RankAddress],
         transport: str,
         mode: Mode = Mode.PULL,
     ) -> None:
+        if not ranks:
+            raise ValueError("SchedulerState needs the address of every TP rank (ranks)")
         self.groups = list(groups)
         self.has_state = any(g.kind is GroupKind.STATE and g.transfer for g in self.groups)
+        self.ranks = list(ranks)
         self.engine_id = engine_id
-        self.endpoint = endpoint
+        self.endpoint = ranks[0].endpoint
         self.transport = transport
         self.mode = Mode(mode)
         self._plan = StepPlan()
@@ -203,8 +208,8 @@ class SchedulerState:
         num_tokens = int(request.num_computed_tokens)
         mode = _request_mode(params, self.mode, request.request_id)
         transfer = TransferParams(
-            request.request_id, self.engine_id, self.endpoint, ids, num_tokens,
-            self.transport, mode,
+            request.request_id, self.ranks[0].engine_id, self.endpoint, ids, num_tokens,
+            self.transport, mode, self.ranks if len(self.ranks) > 1 else [],
         )  # fmt: skip
         self._plan.publishes.append(PublishRequest(request.request_id, ids, num_tokens, mode.value))
         self.sending.add(request.request_id)

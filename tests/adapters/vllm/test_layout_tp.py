@@ -292,8 +292,9 @@ def _random(shape: tuple[int, ...], dtype: type[np.generic], seed: int) -> npt.N
 
 
 def source_rank(holders_p: list[int], holders_d: list[int], d: int) -> int:
-    """Which P rank serves a unit to D rank ``d``: D's replica ``j`` reads P's ``j % replicas``."""
-    return holders_p[holders_d.index(d) % len(holders_p)]
+    """Which P rank serves a unit to D rank ``d``: D's replica ``j`` of ``J`` reads P's
+    replica ``j * I // J`` of ``I`` (the one holder among the P ranks D rank ``d`` talks to)."""
+    return holders_p[holders_d.index(d) * len(holders_p) // len(holders_d)]
 
 
 def expected_runs(

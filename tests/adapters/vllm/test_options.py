@@ -283,18 +283,30 @@ def test_a_bad_environment_secret_is_reported_without_its_value(
     assert SECRET not in repr(Options.from_extra({}, None))
 
 
-def test_the_connector_refuses_tensor_parallelism_when_vllm_starts_it() -> None:
-    # TP > 1 is not supported yet: one line at start, instead of every load failing later.
+def test_the_connector_takes_tensor_parallelism_and_refuses_pipeline_stages() -> None:
+    # TP > 1 is supported (each rank a peer of its own); PP > 1 is not: one line at start,
+    # instead of every load failing later.
     register()
     ktc = KVTransferConfig(
         kv_connector="KVBridgeConnector", kv_role="kv_consumer", engine_id="e",
-        kv_connector_extra_config={"transport": "mooncake"},
+        kv_connector_extra_config={"transport": "mooncake", "port": 6100},
     )  # fmt: skip
     config = VllmConfig(kv_transfer_config=ktc)
     config.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match=r"^kvbridge: tensor_parallel_size=2 is not supported"):
-        KVBridgeConnector.get_required_kvcache_layout(config)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 1$"):
-        KVBridgeConnector(config, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
-    config.parallel_config.tensor_parallel_size = 1
     assert KVBridgeConnector.get_required_kvcache_layout(config) == "LBHNC"
+    connector = KVBridgeConnector(config, KVConnectorRole.SCHEDULER, _no_groups())
+    assert connector.scheduler is not None
+    assert [(r.engine_id, r.endpoint) for r in connector.scheduler.ranks] == [
+        ("e.tp0", "tcp://127.0.0.1:6100"), ("e.tp1", "tcp://127.0.0.1:6101"),
+    ]  # fmt: skip
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match=r"^kvbridge: pipeline_parallel_size=2 is not supported"):
+        KVBridgeConnector.get_required_kvcache_layout(config)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size may differ between them\)$"):
+        KVBridgeConnector(config, KVConnectorRole.SCHEDULER, _no_groups())
+
+
+def _no_groups():  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_cache_groups=[])

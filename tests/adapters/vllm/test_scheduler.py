@@ -5,6 +5,7 @@ from __future__ import annotations
 from vllm.v1.request import RequestStatus
 
 from kvbridge.adapters.vllm.scheduler import MODE_KEY, PARAMS_KEY, GroupInfo, SchedulerState
+from kvbridge.control.requests import RankAddress
 from kvbridge.core import GroupKind
 from tests.adapters.vllm.conftest import blocks_of, make_request
 
@@ -13,7 +14,8 @@ DENSE = [GroupInfo(0, GroupKind.ATTENTION)]
 
 
 def state(groups=HYBRID) -> SchedulerState:
-    return SchedulerState(groups, engine_id="p", endpoint="tcp://127.0.0.1:1", transport="mooncake")
+    ranks = [RankAddress("p", "tcp://127.0.0.1:1")]
+    return SchedulerState(groups, engine_id="p", ranks=ranks, transport="mooncake")
 
 
 def prefill(sched: SchedulerState, prompt_len: int, block_ids, rid: str = "r1") -> dict:
