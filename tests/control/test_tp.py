@@ -115,7 +115,6 @@ CASES = [
     *[("pull", kind) for kind in MODELS],
     ("push", "attention K<TP"),
     ("push", "gdn hybrid"),
-    ("push", "mla"),
 ]
 
 

@@ -17,15 +17,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Reference]:
-    """Each model built once per session, with its single-instance outputs (shared by cases)."""
-    cache: dict[str, Reference] = {}
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Reference]:
+    """Each model built once per session, with its single-instance outputs (shared by cases);
+    ``tp``: the single instance at that TP size (D's, when D runs TP > 1)."""
+    cache: dict[tuple[str, int], Reference] = {}
     root = tmp_path_factory.mktemp("models")
 
-    def get(name: str) -> Reference:
-        if name not in cache:
-            cache[name] = build_reference(CASES[name], root)
-        return cache[name]
+    def get(name: str, tp: int = 1) -> Reference:
+        if (name, tp) not in cache:
+            cache[(name, tp)] = build_reference(CASES[name], root, tp=tp)
+        return cache[(name, tp)]
 
     return get
 

@@ -128,12 +128,14 @@ def _engine_env(cores: str) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase) -> Any:
+def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, tp: int = 1) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = {} if case.block_size is None else {"block_size": case.block_size}
     kw.update(case.llm_options)
+    if tp > 1:  # vLLM's CPU backend: one core per rank (VLLM_CPU_OMP_THREADS_BIND "0|1")
+        kw["tensor_parallel_size"] = tp
     if kv_transfer is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
     return LLM(
@@ -251,7 +253,7 @@ def _die_with_driver() -> None:
 
 def engine_main(
     conn: Any, model: str, kv_transfer: dict | None, cores: str, case: ModelCase,
-    faults: str | None = None,
+    faults: str | None = None, tp: int = 1,
 ) -> None:  # fmt: skip
     """A child process holding one engine; serves requests, ``"reset"``, ``"usage"`` and
     ``("batch", [...])`` over ``conn``. ``faults``: a directory for ``faults.install``."""
@@ -271,7 +273,7 @@ def engine_main(
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(extra.pop("_side_channel_port"))
     try:
         t0 = time.perf_counter()
-        llm = _make_llm(model, kv_transfer, case)
+        llm = _make_llm(model, kv_transfer, case, tp)
         conn.send(("ready", time.perf_counter() - t0))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -301,12 +303,12 @@ class Engine:
 
     def __init__(
         self, name: str, model: str, kv: dict | None, cores: str, case: ModelCase,
-        faults: Path | None = None,
+        faults: Path | None = None, tp: int = 1,
     ) -> None:  # fmt: skip
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
-        args = (child, model, kv, cores, case, None if faults is None else str(faults))
+        args = (child, model, kv, cores, case, None if faults is None else str(faults), tp)
         self.proc = ctx.Process(target=engine_main, args=args, name=name, daemon=False)
         self.proc.start()
 
@@ -409,11 +411,17 @@ def kv_config(
     return cfg
 
 
+def cores_for(tp: int, core: str) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of an engine: ``core`` at TP 1, one core per rank above."""
+    return core if tp == 1 else "|".join(str(c % (os.cpu_count() or 1)) for c in range(tp))
+
+
 def reference(
-    model: str, case: ModelCase, prompts: list[list[int]], max_tokens: int
+    model: str, case: ModelCase, prompts: list[list[int]], max_tokens: int, tp: int = 1
 ) -> list[dict[str, Any]]:
-    """Greedy outputs of one instance without any connector (both cores), with top-2 gaps."""
-    eng = Engine("reference", model, None, f"{CORE_P}-{CORE_D}", case)
+    """Greedy outputs of one instance without any connector (both cores), with top-2 gaps;
+    ``tp``: at that TP size (TP ranks round differently from one rank: D's reference)."""
+    eng = Engine("reference", model, None, cores_for(tp, f"{CORE_P}-{CORE_D}"), case, tp=tp)
     try:
         eng.wait_ready()
         return [eng.generate(p, max_tokens, None, top2=True) for p in prompts]
@@ -470,11 +478,11 @@ class Reference:
         return "mismatch"
 
 
-def build_reference(case: ModelCase, root: Path, max_tokens: int = 32) -> Reference:
+def build_reference(case: ModelCase, root: Path, max_tokens: int = 32, tp: int = 1) -> Reference:
     model = str(case.build(root))
     ps = case.prompts()
     control = control_prompt(ps)
-    outs = reference(model, case, [*ps, control], max_tokens)
+    outs = reference(model, case, [*ps, control], max_tokens, tp)
     ref, ctl = outs[:-1], outs[-1]
     return Reference(
         case, model, ps, control, [o["token_ids"] for o in ref], ctl["token_ids"],
@@ -520,13 +528,21 @@ def run_pair(
     port_d: int = 5890,
     kill_check: bool = True,
     freeze_check: bool = True,
+    tp_p: int = 1,
+    tp_d: int = 1,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Every check above on one P/D pair; returns a summary with ``ok`` and per-check results."""
+    """Every check above on one P/D pair; returns a summary with ``ok`` and per-check results.
+
+    ``tp_p``/``tp_d``: the TP sizes of P and D (``ref`` must be a single instance at ``tp_d``).
+    """
     case = ref.case
-    p = Engine("prefill", ref.model, kv_config("kv_producer", transport, port_p), CORE_P, case)
-    d = Engine("decode", ref.model, kv_config("kv_consumer", transport, port_d), CORE_D, case)
-    summary: dict[str, Any] = {"model": case.name, "transport": transport, "dtype": case.dtype}
+    p = Engine("prefill", ref.model, kv_config("kv_producer", transport, port_p),
+               cores_for(tp_p, CORE_P), case, tp=tp_p)  # fmt: skip
+    d = Engine("decode", ref.model, kv_config("kv_consumer", transport, port_d),
+               cores_for(tp_d, CORE_D), case, tp=tp_d)  # fmt: skip
+    summary: dict[str, Any] = {"model": case.name, "transport": transport, "dtype": case.dtype,
+                               "tp_p": tp_p, "tp_d": tp_d}  # fmt: skip
     results: list[dict[str, Any]] = []
     try:
         t_p, t_d = p.wait_ready(), d.wait_ready()

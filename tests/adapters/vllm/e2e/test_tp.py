@@ -1,0 +1,77 @@
+"""P and D at different TP sizes on real vLLM engines: D's greedy tokens against one instance.
+
+vLLM's CPU backend runs TP 2 with one core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+TP ranks round differently from one rank (bf16), so D is compared with a single instance at
+D's TP size: exactly in float32, near ties allowed in bf16 as in ``test_pd``. Each case also
+runs the control (prompt 0's KV under other tokens): D's answer is prompt 0's, so D decoded
+over what it loaded from P's ranks, not over a recompute.
+
+Marked ``e2e`` (run by ``make test`` with ``KVBRIDGE_E2E=1``): three engines per case.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+
+import pytest
+
+from tests.adapters.vllm.e2e.marks import E2E
+from tests.adapters.vllm.e2e.run_pd import Reference, run_pair
+from tests.adapters.vllm.e2e.test_pd import BF16, RESULTS, cpu_has_amx
+
+pytestmark = E2E
+
+#: (model, transport, mode, P's TP size, D's TP size): both directions, dense, MLA, the GDN
+#: hybrid (dense P TP 2 -> D TP 1 runs rank by rank in tests/control/test_tp.py)
+RUNS = [
+    ("llama", "mooncake", "pull", 1, 2),
+    ("deepseek_mla", "nixl", "push", 2, 1),
+    ("qwen3_next", "nixl", "pull", 1, 2),
+]
+
+
+def consecutive_free_ports(count: int, start: int = 6200) -> int:
+    """A base port with ``count`` free ports from it (TP rank r binds base + r)."""
+    for base in range(start, start + 2000, 10):
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports from {start}")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("name", "transport", "mode", "tp_p", "tp_d"), RUNS)
+def test_tp_pair_matches_single_instance_at_d_tp(
+    name: str, transport: str, mode: str, tp_p: int, tp_d: int,
+    reference: Callable[..., Reference],
+) -> None:  # fmt: skip
+    if name in BF16 and not cpu_has_amx():
+        pytest.skip(f"{name} (bf16) needs a CPU with AMX (see test_pd.BF16)")
+    ref = reference(name, tp=tp_d)
+    port_p = consecutive_free_ports(tp_p, 6200)
+    port_d = consecutive_free_ports(tp_d, port_p + 10)
+    summary = run_pair(ref, transport, modes=(mode,), port_p=port_p, port_d=port_d,
+                       kill_check=False, freeze_check=False, tp_p=tp_p, tp_d=tp_d)  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"tp-{name}-{transport}-{tp_p}to{tp_d}.json").write_text(
+        json.dumps(summary, indent=1)
+    )
+    rows = summary["results"]
+    assert len(rows) == len(ref.prompts)
+    bad = [(r["prompt"], r["d_tokens"], r["ref_tokens"]) for r in rows if r["match"] == "mismatch"]
+    assert not bad, f"D (TP {tp_d}) differs from the single instance at TP {tp_d}: {bad}"
+    if ref.case.tie == 0:
+        assert all(r["match"] == "exact" for r in rows)
+    assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
+    assert summary["prefix_hit"], "the repeated prompt's prefix hit is not as documented"
