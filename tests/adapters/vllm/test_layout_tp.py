@@ -44,8 +44,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvbridge.adapters.vllm.layout import build_layout_spec
-from kvbridge.core import Layout, LayoutError, LayoutSpec, plan_transfers
-from kvbridge.core.tp import plan_tp_transfers
+from kvbridge.core import Layout, LayoutError, LayoutSpec, check_compatible, plan_transfers
+from kvbridge.core.tp import contact_ranks, plan_tp_reads, plan_tp_transfers
 from tests.adapters.vllm.test_layout_matrix import (
     ByteRuns,
     IdMap,
@@ -383,7 +383,18 @@ def test_tp_transfer_is_exact_and_minimal(
                     g.write(
                         expected, td, d_rank, layer, [b for _, b in pairs], [a for a, _ in pairs]
                     )
-            plans = plan_tp_transfers(p_layouts, layout_of(d, td, d_rank), p_ids, d_ids)
+            d_layout = layout_of(d, td, d_rank)
+            plans = plan_tp_transfers(p_layouts, d_layout, p_ids, d_ids)
+            # What the control plane does: handshake checks with the P ranks D talks to (both
+            # ways), then plans from those alone.
+            contacts = contact_ranks(d_rank, td, tp)
+            for q in contacts:
+                check_compatible(p_layouts[q], d_layout)
+                check_compatible(d_layout, p_layouts[q])
+            mine = plan_tp_reads({q: p_layouts[q] for q in contacts}, d_layout, p_ids, d_ids)
+            assert {q: (m.count, m.nbytes) for q, m in mine.items()} == {
+                q: (m.count, m.nbytes) for q, m in plans.items()
+            }
             for p_rank, plan in plans.items():
                 apply_plan(plan, ps[p_rank], d)
             assert torch.equal(d.buffer, expected.buffer), (
