@@ -163,6 +163,9 @@ def handle(
         with plane._lock:
             return {r: next((reader.engine_id for reader in lease.readers.values()), None)
                     for r, lease in plane._prefill._leases.items()}  # fmt: skip
+    if name == "readers":  # P: which D ranks took their part of each lease
+        with plane._lock:
+            return {r: sorted(lease.readers) for r, lease in plane._prefill._leases.items()}
     if name == "verify":
         return verify(cmd, config, arena, layout, original)
     if name == "verify_tp":

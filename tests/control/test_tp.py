@@ -212,3 +212,66 @@ def test_decode_rank_killed_leaves_the_lease_to_expire(engines, engine_name):
     assert "half" in freed and not freed["half"]["ok"]
     assert "expired" in freed["half"]["reason"]
     assert p[0].stop() == {"leased": [], "registered_after_plane_close": 0}
+
+
+def test_prefill_rank_killed_mid_transfer(engines, engine_name):
+    """P TP 2 → D TP 1, pull: P rank 1 dies the moment D claimed its part (D's reads from both
+    ranks are submitted together). D's load ends within its bound: failed, or (the bytes had
+    already arrived) done and exact; P rank 0 frees its blocks; nothing stays held."""
+    model = dict(MODELS["attention"], head_bytes=256, layers=4)
+    p = start_side(engines, engine_name, "p", 2, model)
+    d = start_side(engines, engine_name, "d", 1, model)
+    earlier, [first] = run(p, d, "pull", 1, seed=3)
+    assert d[0].call(cmd="wait", request_id=first["request_id"], timeout=60)["ok"]
+    p_ids = BlockAllocator(p[0].layout, 5).request(1000)
+    d_ids = BlockAllocator(d[0].layout, 6).request(1000)
+    params = publish(p, "victim", p_ids, 1000, "pull")
+    start = time.monotonic()
+    assert d[0].call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
+    deadline = time.monotonic() + 10
+    while not p[1].call(cmd="readers").get("victim") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    p[1].kill(signal.SIGKILL)
+    out = d[0].call(cmd="wait", request_id="victim", timeout=60)
+    took = time.monotonic() - start
+    FAULT_TIMINGS.append((f"{engine_name}: P rank 1 of 2 killed mid-pull -> D {out['ok']}", took))
+    assert took < 5 + 2 * TIMEOUT + 5
+    if out["ok"]:  # the read had finished before the kill: the bytes must be exact
+        checked = d[0].call(cmd="verify_tp", timeout=120, sources=[r.config for r in p],
+                            requests=[*earlier, (p_ids, d_ids)])  # fmt: skip
+        assert checked["ok"], checked
+    freed = outcomes(p[0], 2)
+    assert "victim" in freed, freed
+    assert p[0].call(cmd="leased") == []
+    assert d[0].call(cmd="held") == []
+    for rank in (p[0], d[0]):
+        assert rank.stop() == {"leased": [], "registered_after_plane_close": 0}
+
+
+def test_decode_rank_killed_mid_transfer(engines, engine_name):
+    """P TP 1 → D TP 2, pull: D rank 1 dies the moment it claimed its part. D rank 0 loads every
+    byte; P keeps the blocks until D rank 1's word or the lease's end, then frees them."""
+    lease = 2 * TIMEOUT + 1
+    model = dict(MODELS["attention"], head_bytes=256, layers=4)
+    p = start_side(engines, engine_name, "p", 1, model, lease=lease)
+    d = start_side(engines, engine_name, "d", 2, model, lease=lease)
+    p_ids = BlockAllocator(p[0].layout, 5).request(1000)
+    d_ids = BlockAllocator(d[0].layout, 6).request(1000)
+    params = publish(p, "half", p_ids, 1000, "pull")
+    start = time.monotonic()
+    for rank in d:
+        assert rank.call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
+    deadline = time.monotonic() + 10
+    while 1 not in p[0].call(cmd="readers").get("half", [1]) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    d[1].kill(signal.SIGKILL)
+    assert d[0].call(cmd="wait", request_id="half", timeout=60)["ok"]
+    assert d[0].call(cmd="verify_tp", timeout=120, sources=[r.config for r in p],
+                     requests=[(p_ids, d_ids)])["ok"]  # fmt: skip
+    freed = outcomes(p[0], 1, timeout=lease + 10)
+    FAULT_TIMINGS.append(
+        (f"{engine_name}: D rank 1 of 2 killed mid-pull -> P frees", time.monotonic() - start)
+    )
+    assert "half" in freed, freed
+    assert p[0].call(cmd="leased") == []
+    assert p[0].stop() == {"leased": [], "registered_after_plane_close": 0}
