@@ -152,7 +152,7 @@ def checked_ids(layout: Layout, block_ids: Mapping[int, Any], side: str) -> Bloc
             prepare_block_ids(layout.groups[index], arr, side)
         except KvbridgeError as err:
             raise MessageError("block_id", str(err)) from None
-        ids[index] = [int(v) for v in arr]
+        ids[index] = arr.tolist()  # plain ints, as messages carry them
     return ids
 
 

@@ -55,8 +55,14 @@ def prepare_block_ids(group: CacheGroup, ids: object, side: str) -> IdArray:
         arr = drop_null_blocks(arr, group.null_block_id)
     elif group.kind is GroupKind.SLIDING_WINDOW:
         arr = clip_sliding_window(arr, group.sliding_window or 0, group.block_size)
-    if np.unique(arr).size != arr.size:
-        raise BlockIdError(f"{side} block ids of group {group.index} repeat an id: {arr.tolist()}")
+    if arr.size > 1:
+        ordered = np.sort(arr)  # several times faster than np.unique on these sizes
+        repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeats.size:
+            raise BlockIdError(
+                f"{side} block ids of group {group.index} repeat id {int(repeats[0])}: "
+                f"{arr.tolist()[:32]}"
+            )
     return arr
 
 
