@@ -130,6 +130,9 @@ class _GroupDescriptors:
     lengths: IdArray
     count: int
     dst_extents: IdArray | None = None
+    #: when set, the arrays are rows of this many descriptors, each row merged already: sorted
+    #: by source, sources disjoint, no two neighbours joinable (only row boundaries may be)
+    row_length: int | None = None
 
 
 def _side_offsets(
@@ -257,17 +260,33 @@ def _merge_rows(
     With ``sort_runs`` each row lists its runs by source address instead of request order. The
     merged plan is the same (maximal runs sorted by source, which are unique when sources do
     not overlap), but regions laid out one after another then come out sorted already, which
-    spares ``merge_descriptors`` its sort.
+    spares ``merge_descriptors`` its sort. Runs that meet once sorted (a request that holds
+    blocks 5-6 before 1-2 and then 7) are joined here too, on the ids, once for all rows: each
+    row is then merged already, and only the boundaries between rows are left to check.
     """
     ss, ds, length = rows.s_step, rows.d_step, rows.length
     joins = (np.diff(src_ids) * ss == length) & (np.diff(dst_ids) * ds == length)
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))[: src_ids.size]
     blocks = np.diff(np.append(starts, src_ids.size))
+    first_src, first_dst = src_ids[starts], dst_ids[starts]
+    row_length = None
     if sort_runs and ss > 0:
-        by_address = np.argsort(src_ids[starts], kind="stable")
-        starts, blocks = starts[by_address], blocks[by_address]
-    s: npt.NDArray[np.int64] = rows.s_off[:, None] + (src_ids[starts] * ss)[None, :]
-    d: npt.NDArray[np.int64] = rows.d_off[:, None] + (dst_ids[starts] * ds)[None, :]
+        if first_src.size > 1:
+            by_address = np.argsort(first_src)  # ids are distinct: one sorting permutation
+            first_src, first_dst, blocks = (a[by_address] for a in (first_src, first_dst, blocks))
+        if 0 < length <= ss:
+            # Distinct ids a step apart, blocks no longer than the step: sorted runs never
+            # overlap, so joining those that continue each other leaves the row merged.
+            if first_src.size > 1:
+                span = blocks[:-1] * length
+                meet = (np.diff(first_src) * ss == span) & (np.diff(first_dst) * ds == span)
+                if meet.any():
+                    keep = np.flatnonzero(np.concatenate(([True], ~meet)))
+                    first_src, first_dst = first_src[keep], first_dst[keep]
+                    blocks = np.add.reduceat(blocks, keep)
+            row_length = int(first_src.size)
+    s: npt.NDArray[np.int64] = rows.s_off[:, None] + (first_src * ss)[None, :]
+    d: npt.NDArray[np.int64] = rows.d_off[:, None] + (first_dst * ds)[None, :]
     n = np.broadcast_to((blocks * length)[None, :], s.shape)
     extents = None
     if 0 < length <= ds and dst_ids.size:
@@ -275,7 +294,7 @@ def _merge_rows(
         # blocks never overlap, and all of them lie between its lowest and highest block.
         low, high = int(dst_ids.min()) * ds, int(dst_ids.max()) * ds + length
         extents = np.stack([rows.d_off + low, rows.d_off + high], axis=1)
-    return _GroupDescriptors(s.reshape(-1), d.reshape(-1), n.reshape(-1), 0, extents)
+    return _GroupDescriptors(s.reshape(-1), d.reshape(-1), n.reshape(-1), 0, extents, row_length)
 
 
 @dataclass(frozen=True)
@@ -476,11 +495,16 @@ def plan_transfers(
             sg.group, dg.group, src_block_ids[index], dst_block_ids[index]
         )
         pairs.append((sg, dg, s_ids, d_ids))
-    plan, extents = _plan_pairs(pairs, merge, sort_runs=merge)
-    if merge and plan.count > 1 and bool(np.any(plan.src[:-1] + plan.lengths[:-1] > plan.src[1:])):
+    plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)
+    if (
+        merge
+        and not disjoint
+        and plan.count > 1
+        and bool(np.any(plan.src[:-1] + plan.lengths[:-1] > plan.src[1:]))
+    ):
         # Sources that overlap (two groups reading the same block) make the result depend on
         # the order runs are merged in: redo it in plain emission order, as defined.
-        plan, extents = _plan_pairs(pairs, merge, sort_runs=False)
+        plan, extents, _ = _plan_pairs(pairs, merge, sort_runs=False)
     if check and plan.count > 1 and not (extents is not None and _disjoint_extents(extents)):
         _check_disjoint(plan.dst, plan.lengths, "destination")
     return plan
@@ -490,15 +514,48 @@ def _writable(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return values if values.flags.writeable else values.copy()
 
 
+def _row_starts(parts: list[_GroupDescriptors]) -> npt.NDArray[np.int64] | None:
+    """Where each row of already merged rows begins in the concatenated arrays (the first
+    excepted), or ``None`` unless every part is such rows."""
+    starts: list[int] = []  # a few hundred rows at most (regions), so a list is quickest
+    offset = 0
+    for part in parts:
+        if part.row_length is None:
+            return None
+        size = int(part.src.size)
+        if part.row_length:
+            starts.extend(range(offset, offset + size, part.row_length))
+        offset += size
+    return np.array(starts[1:] if starts and starts[0] == 0 else starts, dtype=np.int64)
+
+
+def _rows_are_merged(
+    s: AddrArray, d: AddrArray, n: AddrArray, row_starts: npt.NDArray[np.int64]
+) -> bool:
+    """Whether rows, each merged already, are merged together too: every row starts past the
+    end of the one before (sorted, sources disjoint) and does not continue it on both sides."""
+    if not row_starts.size:
+        return True
+    before = row_starts - 1
+    end_s, end_d = s[before] + n[before], d[before] + n[before]
+    starts_s = s[row_starts]
+    return bool(np.all(starts_s >= end_s)) and not bool(
+        np.any((starts_s == end_s) & (d[row_starts] == end_d))
+    )
+
+
 def _plan_pairs(
     pairs: list[_GroupPair],
     merge: bool,
     *,
     sort_runs: bool,
-) -> tuple[TransferPlan, IdArray | None]:
+) -> tuple[TransferPlan, IdArray | None, bool]:
     """Descriptors of every group, concatenated and (with ``merge``) merged.
 
-    Also every region's destination extent when each group could give one (else ``None``).
+    Also every region's destination extent when each group could give one (else ``None``), and
+    whether the plan's sources are known to be disjoint (rows merged on their ids, whose
+    boundaries were checked: then ``merge_descriptors`` and the overlap check have nothing
+    left to find).
     """
     parts: list[_GroupDescriptors] = []
     stats: list[GroupPlanStats] = []
@@ -520,9 +577,13 @@ def _plan_pairs(
         )
     else:
         s_all = d_all = n_all = np.empty(0, dtype=np.uint64)
+    disjoint = False
     if merge:
-        s_all, d_all, n_all = merge_descriptors(s_all, d_all, n_all)
+        row_starts = _row_starts(parts)
+        disjoint = row_starts is not None and _rows_are_merged(s_all, d_all, n_all, row_starts)
+        if not disjoint:
+            s_all, d_all, n_all = merge_descriptors(s_all, d_all, n_all)
     unmerged = sum(p.count for p in parts)
     extents = [p.dst_extents for p in parts if p.dst_extents is not None]
     proof = np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
-    return TransferPlan(s_all, d_all, n_all, unmerged, tuple(stats)), proof
+    return TransferPlan(s_all, d_all, n_all, unmerged, tuple(stats)), proof, disjoint

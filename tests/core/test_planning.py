@@ -107,6 +107,31 @@ def test_contiguous_blocks_in_blocks_first_layout_merge_to_one_descriptor_per_te
     assert plan.count == 2
 
 
+@pytest.mark.parametrize(
+    ("p_ids", "d_ids", "runs"),
+    [
+        # blocks 5-6 come before 1-2 and 7 in the request: 5-6 and 7 meet only once sorted
+        ([5, 6, 1, 2, 7], [10, 11, 20, 21, 12], 2),
+        # the reverse order of one run: every block meets the next once sorted
+        ([4, 3, 2, 1], [9, 8, 7, 6], 1),
+        # sorted, they meet on P's side only: no join
+        ([3, 1, 2], [5, 10, 11], 2),
+    ],
+)
+def test_runs_that_meet_once_sorted_are_joined_in_every_region(p_ids, d_ids, runs):
+    pa, da = Arena(), Arena(next=1 << 20)
+    p = hybrid_layout(pa, num_blocks=24, kernel_block_size=4)
+    d = hybrid_layout(da, num_blocks=24, kernel_block_size=4)
+    plan = check_plan(pa, p, da, d, {0: p_ids}, {0: d_ids})
+    assert plan.count == runs * 2  # one descriptor per run in each of the 2 attention tensors
+    assert bool(np.all(plan.src[1:] > plan.src[:-1]))  # the merged form: sorted by source
+    # the same as merging every unmerged descriptor
+    unmerged = plan_transfers(p, d, {0: p_ids}, {0: d_ids}, merge=False)
+    merged = merge_descriptors(unmerged.src, unmerged.dst, unmerged.lengths)
+    for mine, theirs in zip((plan.src, plan.dst, plan.lengths), merged, strict=True):
+        assert mine.tolist() == theirs.tolist()
+
+
 def test_mla_moves_one_whole_region_per_layer():
     pa, da = Arena(), Arena(next=1 << 20)
 
