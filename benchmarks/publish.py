@@ -166,8 +166,11 @@ NOTES = """\
   kernel blocks of a logical block, K|V halves) before it builds any per-block array, finds runs
   of consecutive blocks once per group on the block ids, lists each region's runs by address
   (regions laid out in order then need no sort) and rules out destination overlap from
-  per-region extents. What these shortcuts cannot decide falls back to building, sorting and
-  checking every descriptor, with the same result. Below ~32k tokens fixed costs per request
+  per-region extents. When every region steps alike from block to block, the runs are sorted
+  and joined on the block ids once for all regions, so each region's descriptors come out
+  merged and only the boundaries between regions are checked. What these shortcuts cannot
+  decide falls back to building, sorting and checking every descriptor, with the same
+  result. Below ~32k tokens fixed costs per request
   (compatibility check, id validation, a few numpy calls per group) dominate, hence exponents
   under 1. The hybrid's cost hardly moves: a 544-token block is one descriptor per attention
   layer (its 34 kernel blocks and K|V halves lie end to end), so even 128k tokens make only 244
@@ -176,11 +179,20 @@ NOTES = """\
   Llama-3-70B) and the time is memory traffic, ~20 ns per descriptor.
 - **kvbridge beside the raw engine.** Both run in the same two processes on the same
   descriptors, in balanced orders. What kvbridge adds is fixed per request ("own cost"):
-  planning (1-3 ms inside the decode process, where it shares two cores with the engines'
-  threads; about 0.8 ms for the same request planned alone; the layouts' compatibility is
-  checked once per peer, not per request) and the control plane: the pull start round trip,
-  which runs while D plans, and hand-offs between threads (0.6-1.1 ms; D's release goes to P
-  after the load is done, off its path). At ~50-300 ms per 256 MiB request that is 1-8 %.
+  planning, and the control plane: the pull start round trip, which runs while D plans, and
+  hand-offs between threads (D's release goes to P after the load is done, off its path). At
+  ~50-300 ms per 256 MiB request that is 1-5 %.
+- **Own cost is paid with cold CPU caches here.** On this machine the bytes of every transfer
+  pass through the CPU's caches, so each request is planned right after the previous transfer
+  swept them: the plan inside the run takes 3-8x as long as the same plan made again at once
+  (the Targets lines give both). After such a sweep a single numpy call on a few hundred ids
+  takes 60-150 µs instead of 1-10 µs, so the cost follows the number of distinct steps, not
+  the request's size. Measured floor, in the decode process with the plan made free (a
+  replayed request): 1.4 ms with the pull start round trip on the path (0.65 ms of it), and
+  0.5 ms without it. That round trip stays on the path: D may read only once P has said it
+  published the request, and vLLM hands D the request before P publishes it. Where transfers
+  bypass the CPU (GPU memory over RDMA) the caches stay warm, which this machine cannot
+  show.
   On this shared 2-core VM single repetitions vary by up to 2x (see the interquartile bars),
   so ratios within ~5 % of 1 are within noise, and a rerun moves them by that much.
 - **NIXL's progress thread.** NIXL's Python `nixl_agent` starts its progress thread with

@@ -66,6 +66,7 @@ def test_transfer_results_cover_every_usable_transport_and_were_verified(small_r
                                     "verify-sample/kvbridge", "verify-full/kvbridge"}  # fmt: skip
         assert {"verify-sample", "verify-full"} <= modes
         assert all(r["verify_ms"][m] > 0 for m in ("verify-sample", "verify-full"))
+        assert r["plan_ms"] > 0 and r["plan_warm_ms"] > 0
         if "raw" in modes:  # the baseline in benchmarks/ covers mooncake and nixl
             assert r["ratios"]["kvbridge/raw"] > 0
     # the tables render from the same document

@@ -251,7 +251,8 @@ def targets(doc: dict[str, Any]) -> list[str]:
                     f"{r['transport']} {r['case']}: kvbridge end to end at {ratio:.1%} of the "
                     f"raw engine's throughput (its transfer alone {_pct(alone)}; kvbridge's own "
                     f"cost {_num(r.get('own_ms'), 1)} ms per request: planning "
-                    f"{_num(r['plan_ms'], 1)} ms, the control plane "
+                    f"{_num(r['plan_ms'], 1)} ms ({_num(r.get('plan_warm_ms'), 2)} ms planned "
+                    f"again with warm caches), the control plane "
                     f"{_num(r.get('control_ms'), 1)} ms beside it)"
                 )
     return lines
