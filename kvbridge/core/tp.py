@@ -24,7 +24,7 @@ through restriction: different kernel block sizes with ``Shard.token_major`` uni
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -405,11 +405,24 @@ def plan_tp_reads(
     of ``contact_ranks``, or all); every unit of ``dst`` must come from exactly one of them
     (``check_coverage``). TP ranks share block tables: one mapping of ids serves every rank.
     Ranks with nothing to send get no plan."""
+    return _plan_ranks(src_layouts, dst, lambda _: src_block_ids, dst_block_ids, merge, check)
+
+
+def _plan_ranks(
+    src_layouts: Mapping[int, Layout],
+    dst: Layout,
+    ids_of: Callable[[int], BlockIds],
+    dst_block_ids: BlockIds,
+    merge: bool,
+    check: bool,
+) -> dict[int, TransferPlan]:
+    """Each source rank's plan to ``dst`` (``ids_of(rank)``: that rank's block ids), once every
+    unit of ``dst`` is known to come from exactly one of them."""
     check_coverage(src_layouts, dst)
     plans: dict[int, TransferPlan] = {}
     for rank in sorted(src_layouts):
         plan = plan_tp_pair(
-            src_layouts[rank], dst, src_block_ids, dst_block_ids, merge=merge, check=check
+            src_layouts[rank], dst, ids_of(rank), dst_block_ids, merge=merge, check=check
         )
         if plan is not None:
             plans[rank] = plan
@@ -441,13 +454,8 @@ def plan_tp_transfers(
     per_rank = [src_block_ids] * size if isinstance(src_block_ids, Mapping) else list(src_block_ids)
     if len(per_rank) != size:
         raise BlockIdError(f"{len(per_rank)} source block-id mappings for {size} source ranks")
-    check_coverage(dict(enumerate(src_layouts)), dst)
-    plans: dict[int, TransferPlan] = {}
-    for rank, layout in enumerate(src_layouts):
-        plan = plan_tp_pair(layout, dst, per_rank[rank], dst_block_ids, merge=merge, check=check)
-        if plan is not None:
-            plans[rank] = plan
-    return plans
+    layouts = dict(enumerate(src_layouts))
+    return _plan_ranks(layouts, dst, per_rank.__getitem__, dst_block_ids, merge, check)
 
 
 # --- shards of common model kinds (vLLM's TP sharding) -------------------------------------

@@ -296,10 +296,15 @@ def verify(
             for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(),
                                strict=True):  # fmt: skip
                 target.view(d, n)[:] = src.view(s, n)
+    return _compared(arena, expected, int(sum(b.size for b in arena.buffers)))
+
+
+def _compared(arena: Arena, expected: list[np.ndarray], nbytes: int) -> dict[str, Any]:
+    """The first byte of this engine's cache that differs from ``expected``, or ``ok``."""
     for i, (got, want) in enumerate(zip(arena.buffers, expected, strict=True)):
         if not np.array_equal(got, want):
             return {"ok": False, "buffer": i, "byte": int(np.flatnonzero(got != want)[0])}
-    return {"ok": True, "bytes": int(sum(b.size for b in arena.buffers))}
+    return {"ok": True, "bytes": nbytes}
 
 
 def verify_tp(
@@ -324,10 +329,7 @@ def verify_tp(
             for s, d, n in descriptors:
                 target.view(d, n)[:] = src.view(s, n)
                 moved += n
-    for i, (got, want) in enumerate(zip(arena.buffers, expected, strict=True)):
-        if not np.array_equal(got, want):
-            return {"ok": False, "buffer": i, "byte": int(np.flatnonzero(got != want)[0])}
-    return {"ok": True, "bytes": moved}
+    return _compared(arena, expected, moved)
 
 
 _replies: Any = None  # the reply stream, set by main()
