@@ -13,6 +13,36 @@ def _bytes_per_block(region: Region, ratio: int) -> int:
     return region.length * ratio
 
 
+#: A head-major block, ``[H,N,C]``, is its heads' ``[N,C]`` runs one after the other: a head of
+#: it holds the bytes a per-head tensor holds (same backend split), only placed differently.
+_HEAD_MAJOR, _PER_HEAD = " [H,N,C] ", " per head [N,C] "
+#: A token-major block, ``[N,H,C]``: the same cells, each token's heads together.
+_TOKEN_MAJOR = " [N,H,C] "
+
+
+def unit_format(block_format: str) -> str:
+    """The format of one KV head's bytes in a block: the same for ``[H,N,C]`` and per-head
+    ``[N,C]`` layouts of one backend (vLLM's LBHNC/BLHNC and LHBNC/BHLNC)."""
+    parts = (
+        f"{part} ".replace(_HEAD_MAJOR, _PER_HEAD).strip() for part in block_format.split("; ")
+    )
+    return "; ".join(sorted(parts))
+
+
+def heads_differ_only(a: Layout, b: Layout) -> bool:
+    """The two block formats differ only in where each head's ``[N,C]`` sits, and both layouts
+    say which heads each paged tensor holds (``shards``): the unit planner
+    (``kvbridge.core.tp``) moves them head by head, each side's own strides, exactly."""
+    fa, fb = a.spec.block_format, b.spec.block_format
+    return fa != fb and unit_format(fa) == unit_format(fb) and _heads_told(a) and _heads_told(b)
+
+
+def _heads_told(layout: Layout) -> bool:
+    """Every tensor of a paged group says which units it holds."""
+    paged = [t for t in layout.spec.tensors if layout.groups[t.group_index].kind.paged]
+    return bool(paged) and all(t.shards for t in paged)
+
+
 def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")) -> list[str]:
     """Every field that differs between two layouts in a way that forbids a transfer.
 
@@ -27,18 +57,38 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
             diffs.append(f"{what}: {na}={va!r} {nb}={vb!r}")
 
     differ("dtype", a.spec.dtype, b.spec.dtype)
-    # Layouts that say which slice each tensor holds may differ in TP size: the TP planner
-    # (``kvbridge.core.tp``) moves slices; what must agree is what a unit of each axis is.
-    heterogeneous = a.spec.tp_size != b.spec.tp_size and _sharded(a) and _sharded(b)
+    # Layouts that say which slice each tensor holds may differ in TP size, or in where a head
+    # sits in a block: the unit planner (``kvbridge.core.tp``) moves slices; what must agree is
+    # what a unit of each axis is.
+    heads_only = heads_differ_only(a, b)
+    heterogeneous = heads_only or (a.spec.tp_size != b.spec.tp_size and _sharded(a) and _sharded(b))
     if heterogeneous:
         diffs.extend(_shard_differences(a, b, names))
     else:
         differ("tp_size", a.spec.tp_size, b.spec.tp_size)
-    if a.spec.block_format != b.spec.block_format:
+    if a.spec.block_format != b.spec.block_format and not heads_only:
+        fa, fb = unit_format(a.spec.block_format), unit_format(b.spec.block_format)
+        if fa == fb:  # head order only, but a side does not say which heads its tensors hold
+            why = (
+                "the blocks hold the same heads in another order, and a side's attention "
+                "tensors do not say which KV heads they hold (shards); pass the model's KV head "
+                "count to the layout (vLLM: total_num_kv_heads) or use one layout on both"
+            )
+        elif fa.replace(_TOKEN_MAJOR, _PER_HEAD) == fb.replace(_TOKEN_MAJOR, _PER_HEAD):
+            why = (
+                "one side keeps each token's heads together, the other each head's tokens: every "
+                "block would be transposed, one run of C bytes per token and head, which kvbridge "
+                "does not do; use head-major layouts on both sides (vLLM's LBHNC, BLHNC, LHBNC, "
+                "BHLNC pair with each other) or token-major ones (LBNHC, BLNHC)"
+            )
+        else:
+            why = (
+                "a block's bytes mean different things on the two sides; configure the same KV "
+                "cache layout and attention backend on both"
+            )
         diffs.append(
             f"block format: {na}={a.spec.block_format!r}{_engine(a)} "
-            f"{nb}={b.spec.block_format!r}{_engine(b)} (a block's bytes mean different things "
-            "on the two sides; configure the same KV cache layout and attention backend on both)"
+            f"{nb}={b.spec.block_format!r}{_engine(b)} ({why})"
         )
         return diffs  # every region would differ too: the format says it once
     differ("group indices", sorted(a.groups), sorted(b.groups))

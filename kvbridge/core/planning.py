@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.core.block_mapping import pair_block_ids
-from kvbridge.core.compat import check_compatible
+from kvbridge.core.compat import check_compatible, heads_differ_only
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
@@ -478,6 +478,13 @@ def plan_transfers(
     """
     if check:
         check_compatible(src, dst, ("source", "destination"))
+    if heads_differ_only(src, dst):
+        # Heads stored whole on one side, per head on the other: plan the units both hold.
+        from kvbridge.core.tp import restrict_pair  # tp plans with this module
+
+        pair = restrict_pair(src, dst)
+        if pair is not None and pair.src is not None and pair.dst is not None:
+            src, dst = pair.src, pair.dst
     missing = set(src_block_ids) ^ set(dst_block_ids)
     if missing:
         raise BlockIdError(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvbridge.core.compat import layout_differences
+from kvbridge.core.compat import layout_differences, unit_format
 from kvbridge.core.errors import BlockIdError, LayoutError, LayoutMismatchError
 from kvbridge.core.groups import CacheGroup
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Shard, expand_tensor
@@ -152,11 +152,25 @@ def _check_sharded(src: Layout, dst: Layout) -> None:
         )
 
 
-def _restricted(layout: Layout, tensors: list[CacheTensor]) -> Layout:
+def _restricted(layout: Layout, tensors: list[CacheTensor], block_format: str) -> Layout:
     spec = layout.spec
     return Layout(
-        LayoutSpec(spec.groups, tensors, spec.dtype, 0, 1, spec.block_format, spec.engine_layout)
+        LayoutSpec(spec.groups, tensors, spec.dtype, 0, 1, block_format, spec.engine_layout)
     )
+
+
+def _sources_of(
+    dt: CacheTensor,
+    by_key: Mapping[tuple[str, str], CacheTensor],
+    by_layer: Mapping[str, list[CacheTensor]],
+) -> list[CacheTensor]:
+    """The source tensors that may hold units of ``dt``: the one of its name, else (a layer
+    stored whole on one side and per head on the other) those of its layer sharing an axis."""
+    same = by_key.get((dt.layer_name, dt.tensor))
+    if same is not None:
+        return [same]
+    axes = {s.axis for s in dt.shards or ()}
+    return [t for t in by_layer.get(dt.layer_name, []) if axes & {s.axis for s in t.shards or ()}]
 
 
 def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
@@ -169,15 +183,21 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
     ):
         return TPPair(None, None, frozenset(dst.groups), _all_units(dst))
     by_key = {(t.layer_name, t.tensor): t for t in src.spec.tensors}
+    by_layer: dict[str, list[CacheTensor]] = {}
+    for t in src.spec.tensors:
+        by_layer.setdefault(t.layer_name, []).append(t)
     s_pieces: list[CacheTensor] = []
     d_pieces: list[CacheTensor] = []
     units: dict[UnitKey, list[tuple[int, int]]] = {}
     groups: set[int] = set()
     diffs: list[str] = []
-    for dt in dst.spec.tensors:
-        st = by_key.get((dt.layer_name, dt.tensor))
-        if st is None or dt.group_index not in src.groups:
-            continue  # no unit of it comes from this rank: the coverage check names it
+    pairs = [
+        (d, s)
+        for d in dst.spec.tensors
+        for s in _sources_of(d, by_key, by_layer)
+        if d.group_index in src.groups
+    ]  # no unit of a tensor without a source here: the coverage check names it
+    for dt, st in pairs:
         sg, dg = src.groups[dt.group_index], dst.groups[dt.group_index]
         if not dt.shards or not st.shards:
             if dt.shards or st.shards:
@@ -239,7 +259,14 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
         raise LayoutMismatchError(diffs)
     if not d_pieces:
         return None
-    return TPPair(_restricted(src, s_pieces), _restricted(dst, d_pieces), frozenset(groups), units)
+    # Pieces are units (or whole tensors) meaning the same on both sides: where the block formats
+    # differ only in where heads sit, a head of either is a per-head piece.
+    fs, fd = src.spec.block_format, dst.spec.block_format
+    formats = (fs, fd) if fs == fd else (unit_format(fs), unit_format(fd))
+    return TPPair(
+        _restricted(src, s_pieces, formats[0]), _restricted(dst, d_pieces, formats[1]),
+        frozenset(groups), units,
+    )  # fmt: skip
 
 
 #: Restricted pairs per destination layout and source layout: built once, like the planner's

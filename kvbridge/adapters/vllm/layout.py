@@ -14,8 +14,10 @@ its ``H x N x C`` bytes are one dense run, else each head's ``N x C`` slice of i
 whole, K and V together, so a transfer is byte-exact whatever the backend means by the bytes,
 provided both sides agree on the order inside a block: that order (``[H,N,C]``, ``[N,H,C]`` or
 per head ``[N,C]``) and how the backend reads ``C`` (``split``) form the layout's
-``block_format``, and sides whose formats differ are refused. LBHNC and BLHNC (or LBNHC and
-BLNHC) differ only in where a layer's block sits, so they pair.
+``block_format``. LBHNC and BLHNC (or LBNHC and BLNHC) differ only in where a layer's block
+sits, so they pair; ``[H,N,C]`` and per-head ``[N,C]`` formats (LBHNC/BLHNC and LHBNC/BHLNC)
+hold each head's bytes as one run, so the unit planner moves them head by head
+(``kvbridge.core.compat.heads_differ_only``); a head-major and a token-major side are refused.
 
 How ``C`` divides into K and V is the attention backend's business. vLLM's CPU backend reads a
 head's slice of a kernel block ``[N, C]`` as K for its N tokens, then V for them (``[2, N, D]``,

@@ -85,8 +85,10 @@ LAYOUTS = ("LBHNC", "LHBNC", "BLHNC", "BHLNC")
 #: (``test_layout_matrix.ALIASING``): kvbridge refuses those layouts at any TP size; vLLM
 #: itself refuses BHLNC for Mamba pages packed beside attention pages.
 SKIPPED = {("LHBNC", k) for k in ("gdn", "gdn_ds", "gdn_packed")} | {("BHLNC", "gdn_packed")}
-#: Layouts that differ only in where a layer's block sits: the same block format.
-MIXED = (("LBHNC", "BLHNC"), ("BLHNC", "LBHNC"), ("LHBNC", "BHLNC"), ("BHLNC", "LHBNC"))
+#: Every pair of head-major layouts: those that differ only in where a layer's block sits (the
+#: same block format), and those that differ in where each head's ``[N, C]`` sits (whole
+#: ``[H, N, C]`` blocks on one side, a region per head on the other), moved head by head.
+MIXED = tuple((p, d) for p in LAYOUTS for d in LAYOUTS if p != d)
 TP_PAIRS = ((1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2))
 P_SEED, D_SEED = 11, 22
 
