@@ -346,7 +346,7 @@ class Leases:
             handle = reader.handle
             fence = Fence.DRAINED if handle is None else transfers.fence(handle, rid, stats)
             done = PushDone(rid, False, f"prefill could not push: {err}",
-                            unconfirmed=fence is not Fence.DRAINED)  # fmt: skip
+                            unproven=fence is not Fence.DRAINED)  # fmt: skip
         with self._lock:
             self._push_results[(rid, reader.rank)] = (done, time.monotonic() + plane.lease)
             # Fenced: the engine reads P's blocks for this part no more.

@@ -2,7 +2,10 @@
 
 A pull is D's own read, fenced by D's transport. A push is P's write, fenced by P, which says so
 in ``PushDone``; past its deadline D aborts the push and asks P how it ended (``PushQuery``)
-until P answers or is gone. Meanwhile the request's blocks stay out of use (``held``).
+until P answers or is gone. Meanwhile the request's blocks stay out of use (``held``). A fence
+that proves nothing (``Fence.UNPROVEN``: D's own, or P's word ``unproven`` on its write) keeps
+the request held for good (``unproven``): no timer and no answer of the peer hands its blocks
+back.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ from kvbridge.control.messages import (
     BlockIds,
     Digest,
     DigestRequest,
-    Message,
-    Ping,
     PullStart,
     PushDone,
     PushQuery,
@@ -107,6 +108,8 @@ class _Pending:
     abort_reason: str = ""
     #: since when the outcome waits for a fence (0: not waiting)
     held_since: float = 0.0
+    #: nothing proves that bytes of it stopped landing: held for good, never reported
+    unproven: bool = False
 
 
 class Loads:
@@ -169,6 +172,12 @@ class Loads:
         with self._lock:
             return [r for r, p in self._pending.items() if p.held_since]
 
+    @property
+    def unproven(self) -> list[str]:
+        """Request ids held for good: nothing proves their bytes stopped landing."""
+        with self._lock:
+            return [r for r, p in self._pending.items() if p.unproven]
+
     def expire(self, now: float) -> None:
         """Housekeeping: settle pushes past their deadline with P; forget old aborts."""
         with self._lock:
@@ -190,7 +199,7 @@ class Loads:
         with self._lock:
             pending = list(self._pending)
         for request_id in pending:
-            self._finish_pending(request_id, False, "the control plane was closed")
+            self._finish_pending(request_id, False, "the control plane was closed", closing=True)
 
     def _contacts(self, params: TransferParams) -> range:
         spec = self._plane.layout.spec
@@ -263,14 +272,14 @@ class Loads:
             reading = [part for part in parts if part.handle is not None]
             if reading:
                 self._hold(pending)
-            for part in reading:
-                assert part.handle is not None
-                fence = transfers.fence(part.handle, rid, pending.stats)
-                if fence is Fence.UNCONFIRMED:
-                    self._wait_for_answer(part)
+            fences = [transfers.fence(part.handle, rid, pending.stats)
+                      for part in reading if part.handle is not None]  # fmt: skip
             reason = f"pull of {rid!r} from {params.endpoint} failed: {err}"
-            self._finish_pending(rid, False, reason)
-            for part in parts:
+            if Fence.UNPROVEN in fences:
+                self._hold_for_good(pending, reason)
+            else:
+                self._finish_pending(rid, False, reason)
+            for part in parts:  # P's blocks are only read: P may free them either way
                 release = Release(rid, False, str(err)[:4000], **self._me)
                 plane._executor.submit(self._tell, part.address, release)
             return
@@ -326,20 +335,6 @@ class Loads:
                 f"integrity check ({plane.verify.value}) failed: prefill's digest {theirs} of "
                 f"the bytes it holds differs from decode's {mine} of what it read"
             )
-
-    def _wait_for_answer(self, part: _Part) -> None:
-        """After an ``UNCONFIRMED`` fence: wait until P answers (or is gone), then grace.
-
-        A P that answers is running again, so its engine hands over whatever it still held for
-        us within the grace; a P whose address refuses connections is gone.
-        """
-        plane = self._plane
-        answer = self._ask_prefill(
-            part, lambda client: client.request(Ping(), plane.timeout),
-            f"{part.address.endpoint} answers",
-        )  # fmt: skip
-        if isinstance(answer, Message):
-            time.sleep(plane.fence_grace)
 
     # -- push -------------------------------------------------------------------------------------
     def _run_push_request(self, pending: _Pending) -> None:
@@ -405,12 +400,11 @@ class Loads:
             stats.descriptors_before_merge += body.descriptors_before_merge
             stats.plan_s = max(stats.plan_s, body.plan_s)
             stats.transfer_s = max(stats.transfer_s, body.transfer_s)
-            stats.unconfirmed = stats.unconfirmed or body.unconfirmed
-            if body.unconfirmed:  # bytes P's engine gave up on may still be applied here
+            stats.unproven = stats.unproven or body.unproven
+            if body.unproven:  # nothing proves P's engine stopped writing here
                 part.settling = True
-                self._hold(pending)
-        if body.unconfirmed:
-            plane._fencer.submit(self._end_after_grace, part, body.reason)
+        if body.unproven:
+            self._hold_for_good(pending, f"push of {pending.params.request_id!r}: {body.reason}")
         elif body.ok and plane.verify is not Verify.OFF:
             plane._executor.submit(self._check_push, part, body)
         else:
@@ -442,10 +436,6 @@ class Loads:
             )  # fmt: skip
             return
         self._end_part(part, True, "")
-
-    def _end_after_grace(self, part: _Part, reason: str) -> None:
-        time.sleep(self._plane.fence_grace)
-        self._end_part(part, False, reason)
 
     def _end_part(self, part: _Part, ok: bool, reason: str) -> None:
         """A part ended (no byte of it can still land). The load ends with its last part; a
@@ -544,6 +534,24 @@ class Loads:
         with self._lock:
             pending.held_since = pending.held_since or time.monotonic()
 
+    def _hold_for_good(self, pending: _Pending, reason: str) -> None:
+        """No fence proves the load's bytes stopped: keep its blocks out of use, for good.
+
+        The outcome is never reported (a serving engine would reuse the blocks): the request
+        stays in ``held`` and ``unproven``, and the transport keeps it visible in its logs.
+        """
+        with self._lock:
+            if pending.unproven:
+                return
+            pending.unproven = True
+            pending.held_since = pending.held_since or time.monotonic()
+            pending.stats.unproven = True
+        log.warning(
+            "request %s: its blocks stay held for good: the %s transport cannot prove that no "
+            "byte of the failed transfer still lands in them (%s)",
+            pending.params.request_id, self._plane.transport.name, reason,
+        )  # fmt: skip
+
     def _tell(self, address: RankAddress, body: Release | Abort) -> None:
         """Send a P rank a release or abort; one that does not arrive is freed by P's lease."""
         try:
@@ -553,12 +561,15 @@ class Loads:
                      body.request_id, type(body).__name__.lower(), address.endpoint,
                      err)  # fmt: skip
 
-    def _finish_pending(self, request_id: str, ok: bool, reason: str) -> None:
+    def _finish_pending(
+        self, request_id: str, ok: bool, reason: str, *, closing: bool = False
+    ) -> None:
         plane = self._plane
         with self._lock:
-            pending = self._pending.pop(request_id, None)
-            if pending is None:
-                return
+            pending = self._pending.get(request_id)
+            if pending is None or (pending.unproven and not closing):
+                return  # ended already, or held for good (only closing the plane ends it)
+            del self._pending[request_id]
             if pending.held_since:
                 held = time.monotonic() - pending.held_since
                 pending.stats.fence_s = max(pending.stats.fence_s, held)

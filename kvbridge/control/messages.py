@@ -111,9 +111,9 @@ class PushRequest(FromDecodeRank, tag="push_request"):
 class PushDone(Message, tag="push_done"):
     """P -> D (push): the request's bytes are written (``ok``) or will never be.
 
-    Sent only after P's fence: no byte of a failed write is still in P's engine. ``unconfirmed``:
-    P's engine gave part of the write up on its own timeout, so D (the receiver) may still hold
-    bytes of it that it has not applied; D waits its grace before reusing the blocks.
+    Sent only after P's fence: no byte of a failed write is still in P's engine. ``unproven``:
+    P's fence proves nothing (``Fence.UNPROVEN``: part of the write may still be applied in D's
+    memory), so D keeps the blocks held for good.
     """
 
     request_id: RequestId
@@ -124,7 +124,7 @@ class PushDone(Message, tag="push_done"):
     descriptors_before_merge: int = 0
     plan_s: float = 0.0
     transfer_s: float = 0.0
-    unconfirmed: bool = False
+    unproven: bool = False
     #: digest of the bytes written, when the push request asked for a check
     digest: Annotated[int, msgspec.Meta(ge=0)] | None = None
 

@@ -11,7 +11,9 @@ land (``Transport.fence``). A pull is fenced by D's own transport. A push is fen
 says so in ``PushDone``; D never fails a push on its own clock: past its deadline it aborts the
 push and asks P how it ended (``PushQuery``) until P answers or is gone. While P is alive but not
 answering, the request's blocks stay out of circulation (``held``, logged); that costs time,
-never a wrong byte.
+never a wrong byte. A fence is a proof, not a timer: where the transport cannot prove that a
+failed transfer's bytes stopped (``Fence.UNPROVEN``), the blocks stay held for good
+(``unproven``) rather than go back after a grace.
 
 ``ControlPlane`` owns what the engine's roles share (endpoint, transport registration, worker
 pools, lock, outcomes, housekeeping) and composes them: ``leases.Leases`` (the prefill side),
@@ -75,9 +77,7 @@ class ControlPlane:
     ``timeout`` bounds every side-channel call; transfers are bounded by the transport's own
     ``timeout`` (give both the same value: the adapters do). ``lease`` is how long P keeps a
     published request's blocks when D never releases them (extended while D reads them);
-    ``handshake_timeout`` bounds the retries of a handshake. ``fence_grace`` is how long D keeps
-    blocks after an ``UNCONFIRMED`` fence once the peer answers again (the peer's engine applies
-    what it already received within milliseconds once it runs). ``verify`` (D: ``off``,
+    ``handshake_timeout`` bounds the retries of a handshake. ``verify`` (D: ``off``,
     ``sample``, ``full``) compares digests of what P sent and D received after each load; a
     mismatch fails the load (``RequestStats.verify_failed``).
     """
@@ -95,7 +95,6 @@ class ControlPlane:
         lease: float = 30.0,
         handshake_timeout: float = 10.0,
         workers: int = 4,
-        fence_grace: float = 1.0,
         verify: Verify | str = Verify.OFF,
     ) -> None:
         for name, value in (("timeout", timeout), ("lease", lease),
@@ -113,7 +112,6 @@ class ControlPlane:
         self.timeout = timeout
         self.lease = lease
         self.handshake_timeout = handshake_timeout
-        self.fence_grace = fence_grace
         self.verify = Verify(verify)
         #: a request taking this long logs where its time went (a quarter of the timeout)
         self.slow_after = timeout / 4
@@ -182,6 +180,12 @@ class ControlPlane:
     def held(self) -> list[str]:
         """Request ids (D) whose failure waits for a fence: their blocks stay out of use."""
         return self._decode.held
+
+    @property
+    def unproven(self) -> list[str]:
+        """Request ids (D) held for good: no fence proves their bytes stopped landing (also in
+        ``held``); their outcome is never reported, their blocks never handed back."""
+        return self._decode.unproven
 
     # -- both sides -------------------------------------------------------------------------------
     def poll_finished(self) -> list[RequestOutcome]:

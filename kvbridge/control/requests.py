@@ -110,8 +110,8 @@ class RequestStats:
     descriptors_before_merge: int = 0
     #: time between giving a transfer up and the fence (no byte of it can still land)
     fence_s: float = 0.0
-    #: the fence needed the peer's word (the engine gave part of the transfer up blind)
-    unconfirmed: bool = False
+    #: no fence proves the transfer's bytes stopped (the request's blocks stay held for good)
+    unproven: bool = False
     #: time spent on the integrity check (``verify``), and whether it found a difference
     verify_s: float = 0.0
     verify_failed: bool = False

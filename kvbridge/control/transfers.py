@@ -93,8 +93,8 @@ class Transfers:
     def fence(self, handle: TransferHandle, rid: str, stats: RequestStats) -> Fence:
         """Wait until no byte of a given-up transfer can still move; log while it takes long.
 
-        ``PENDING`` only when the plane is closing; ``UNCONFIRMED`` when the engine could not say
-        what the peer got (the caller settles that with the peer).
+        ``PENDING`` only when the plane is closing; ``UNPROVEN`` when nothing proves the bytes
+        stopped (the caller holds the memory for good).
         """
         plane = self._plane
         start = time.monotonic()
@@ -108,7 +108,7 @@ class Transfers:
                 rid, plane.transport.name, time.monotonic() - start,
             )  # fmt: skip
         stats.fence_s = time.monotonic() - start
-        stats.unconfirmed = fence is not Fence.DRAINED
+        stats.unproven = fence is not Fence.DRAINED
         return fence
 
     def report_slow(self, what: str, request_id: str, stats: RequestStats) -> None:

@@ -52,17 +52,23 @@ DONE = TransferStatus(TransferState.DONE)
 
 
 class Fence(enum.Enum):
-    """Whether bytes of a finished (or released) batch can still land; see ``Transport.fence``."""
+    """Whether bytes of a finished (or released) batch can still land; see ``Transport.fence``.
 
-    #: Nothing of the batch is in the engine: no byte of it can move any more.
+    A fence is a proof, never a timer: ``DRAINED`` rests on what the engine guarantees (every part
+    came back from the engine at its real end, or the engine's own copy returned), not on how long
+    anyone waited or on the peer answering.
+    """
+
+    #: Proven: every part of the batch came back from the engine at its real end (completed, or
+    #: failed in a way after which the engine writes nothing more); no byte of it can move.
     DRAINED = "drained"
-    #: The engine still holds part of the batch (it will come back, at the latest after the
-    #: engine's own timeout): keep the memory out of use and ask again.
+    #: The engine still holds part of the batch (a frozen peer holds it as long as it is frozen):
+    #: keep the memory out of use and ask again.
     PENDING = "pending"
-    #: The engine gave a part up without knowing whether the peer got it (the engine's own
-    #: timeout on a frozen peer, or a cancelled transfer): bytes the peer already holds may
-    #: still be applied when it resumes. Confirm with the peer before reusing the memory.
-    UNCONFIRMED = "unconfirmed"
+    #: The engine gave a part up and nothing it guarantees shows that part's bytes stopped (a
+    #: batch the engine failed while other parts of it may still move): the memory must stay out
+    #: of use for good; callers hold it (visible, counted), never hand it back on a timer.
+    UNPROVEN = "unproven"
 
 
 @dataclass(eq=False)
@@ -88,8 +94,8 @@ class TransferHandle:
     _in_engine: int = field(default=0, repr=False)
     #: set once the batch finished and the engine holds none of its chunks
     _drained: threading.Event = field(default_factory=threading.Event, repr=False)
-    #: a chunk came back without the peer confirming it (engine timeout, cancelled in flight)
-    _unconfirmed: bool = field(default=False, repr=False)
+    #: a chunk came back without proof that its bytes stopped moving
+    _unproven: bool = field(default=False, repr=False)
     #: chunks in a polled engine (transports whose engine does not block), for poll and cancel
     _active: list[Chunk] = field(default_factory=list, repr=False)
 
@@ -110,7 +116,7 @@ class TransferHandle:
     def fence(self) -> Fence:
         if not self._drained.is_set():
             return Fence.PENDING
-        return Fence.UNCONFIRMED if self._unconfirmed else Fence.DRAINED
+        return Fence.UNPROVEN if self._unproven else Fence.DRAINED
 
     def describe(self) -> str:
         """``nixl write of 3 descriptors (12 bytes) to peer 'p' (agent x)``."""
@@ -133,11 +139,11 @@ class TransferHandle:
             self._in_engine += 1
             return True
 
-    def leave_engine(self, *, unconfirmed: bool = False) -> None:
-        """The engine gave a chunk back; ``unconfirmed`` when the peer may not have seen its end."""
+    def leave_engine(self, *, unproven: bool = False) -> None:
+        """The engine gave a chunk back; ``unproven`` when nothing shows its bytes stopped."""
         with self._lock:
             self._in_engine -= 1
-            self._unconfirmed |= unconfirmed
+            self._unproven |= unproven
             self._check_drained()
 
     def chunk_done(self) -> None:
@@ -205,8 +211,8 @@ class ChunkResult:
 
     ok: bool
     reason: str = ""
-    #: the engine gave it up without knowing what the peer got (a frozen peer may apply it later)
-    unconfirmed: bool = False
+    #: the engine gave it up and nothing shows its bytes stopped (part of it may still move)
+    unproven: bool = False
     #: the failure may go away on a second attempt (and moving the same bytes again is harmless)
     retry: bool = True
 

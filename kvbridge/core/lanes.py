@@ -112,7 +112,7 @@ class Lane:
                     result = self._transport()._wait_chunk(chunk)
                     count -= len(chunk.lengths)
                     chunk.token = None
-                    chunk.handle.leave_engine(unconfirmed=result.unconfirmed)
+                    chunk.handle.leave_engine(unproven=result.unproven)
                     if result.ok:
                         chunk.handle.chunk_done()
                     else:
@@ -126,7 +126,7 @@ class Lane:
                 self._fail(chunk, f"the transfer lane stopped on {err!r}")
             for chunk in inflight:  # never waited for: nobody can say what the peer got
                 self._fail(chunk, f"the transfer lane stopped on {err!r}")
-                chunk.handle.leave_engine(unconfirmed=True)
+                chunk.handle.leave_engine(unproven=True)
             if not isinstance(err, _Dropped):
                 raise
 
@@ -154,7 +154,7 @@ class Lane:
             self._fail(chunk, str(err))
             return False
         except BaseException:  # a bug in the hook: nobody can say what the engine took
-            h.leave_engine(unconfirmed=True)
+            h.leave_engine(unproven=True)
             raise
         return True
 

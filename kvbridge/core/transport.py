@@ -121,6 +121,11 @@ class Transport(abc.ABC):
     #: True when the engine's completion call blocks (``_wait_chunk``, run on one lane thread per
     #: peer); False when chunks are checked without blocking (``_check_chunk``) from ``poll``
     blocking_engine: ClassVar[bool] = False
+    #: Polled engines: True only when releasing a chunk the engine still moves (``_release_chunk``)
+    #: stops it for good, so once the release returns no byte of it moves (the engine's code
+    #: guarantees it). False: a released or timed-out batch's chunks stay in the engine, watched
+    #: by ``fence``, until the engine ends them itself.
+    cancel_is_fence: ClassVar[bool] = False
     #: the keyword option naming the address this agent announces to peers, if the engine
     #: announces one; adapters fill it from their own configured host when it is not given
     host_option: ClassVar[str | None] = None
@@ -391,7 +396,8 @@ class Transport(abc.ABC):
         else:
             for handle in [h for h in self._live if h.peer == peer]:
                 handle.fail(f"{handle.describe()} failed: {reason}")
-                self._abandon(handle)
+                # Released with the peer: a proof only where a cancel is one.
+                self._abandon(handle, unproven=not self.cancel_is_fence)
         self._disconnect_engine(peer, state)
 
     def _lane(self, state: Any) -> Lane:  # lock held
@@ -453,7 +459,9 @@ class Transport(abc.ABC):
             except BaseException as err:
                 handle.leave_engine()
                 handle.fail(f"{handle.describe()} could not start: {err}")
-                self._abandon(handle)
+                if handle._active:  # chunks started before it move on, watched by fence
+                    self._live.add(handle)
+                    self._settle(handle)
                 raise
             if chunk.token is None:  # finished inside the call
                 handle.leave_engine()
@@ -474,47 +482,49 @@ class Transport(abc.ABC):
         return h.status
 
     def _poll_engine(self, h: TransferHandle) -> None:
+        """Check a polled engine's chunks of a batch (also after the batch finished: chunks the
+        engine still moves are watched until it ends them; see ``cancel_is_fence``)."""
         with self._lock:
-            if h.finished:
-                return
-            if self._closed:  # close() finishes every handle; this one was never ours
-                h.fail(f"{h.describe()}: the transport is closed")
+            if not h._active:
+                if not h.finished and self._closed:  # close() finished every handle of ours
+                    h.fail(f"{h.describe()}: the transport is closed")
                 return
             for chunk in list(h._active):
                 result = self._check_chunk(chunk)
                 if result is None:
                     continue
                 h._active.remove(chunk)
-                self._give_back(chunk, unconfirmed=result.unconfirmed)
+                self._give_back(chunk, unproven=result.unproven)
                 if result.ok:
                     h.chunk_done()
                 else:
                     h.fail(f"{h.describe()} failed: {result.reason}")
-                    break
-            if h.finished:
-                self._abandon(h)
-            elif time.monotonic() >= h.deadline:
+            if not h.finished and time.monotonic() >= h.deadline:
                 h.fail(
                     f"{h.describe()} did not finish within {self.timeout:g} s (peer frozen, "
-                    "overloaded or unreachable); the batch was cancelled",
+                    "overloaded or unreachable); the batch was given up",
                     timed_out=True,
                 )
-                self._abandon(h)
+            if h.finished:
+                self._settle(h)
 
-    def _give_back(self, chunk: Chunk, *, unconfirmed: bool) -> None:
+    def _settle(self, h: TransferHandle) -> None:
+        """A finished batch's chunks still in a polled engine (lock held): cancel them where a
+        cancel is a fence; otherwise they stay watched until the engine ends them."""
+        if h._active and self.cancel_is_fence:
+            active, h._active = h._active, []
+            for chunk in active:
+                self._give_back(chunk, unproven=False)
+        if not h._active:
+            self._live.discard(h)
+
+    def _give_back(self, chunk: Chunk, *, unproven: bool) -> None:
         """Free the engine's handle of a chunk (lock held); a refusal keeps it in the engine."""
         if self._release_chunk(chunk):
             chunk.token = None
-            chunk.handle.leave_engine(unconfirmed=unconfirmed)
+            chunk.handle.leave_engine(unproven=unproven)
         else:
             self._stuck.append(chunk)
-
-    def _abandon(self, h: TransferHandle, *, unconfirmed: bool = True) -> None:
-        """Cancel what a finished batch still has in a polled engine (lock held)."""
-        active, h._active = h._active, []
-        for chunk in active:
-            self._give_back(chunk, unconfirmed=unconfirmed)
-        self._live.discard(h)
 
     def release(self, handle: TransferHandle) -> None:
         """Abandon a batch: it ends ``FAILED`` unless it finished; no further part of it starts.
@@ -528,19 +538,42 @@ class Transport(abc.ABC):
             h.fail(reason)
             return
         with self._lock:
-            if h.fail(reason):
-                self._abandon(h)
+            h.fail(reason)
+            self._settle(h)
 
     def fence(self, handle: TransferHandle, timeout: float) -> Fence:
         """Release the batch if unfinished, then wait up to ``timeout`` s for its ``Fence``.
 
-        After a failed, timed-out or abandoned transfer the memory it touched may be reused
-        only once this returns ``DRAINED`` (or the peer confirmed, for ``UNCONFIRMED``).
+        After a failed, timed-out or abandoned transfer the memory it touched may be reused only
+        once this returns ``DRAINED``: every part of the batch came back from the engine at its
+        real end (see ``Fence``). ``PENDING``: the engine still holds a part (a frozen peer keeps
+        it there), ask again. ``UNPROVEN``: nothing proves the bytes stopped; keep the memory out
+        of use for good.
         """
         h = self._own(handle)
         self.release(h)
-        h._drained.wait(max(0.0, timeout))
+        if self.blocking_engine:
+            h._drained.wait(max(0.0, timeout))
+            return h.fence
+        # A polled engine moves (and ends) what it holds only while it is asked.
+        limit = time.monotonic() + max(0.0, timeout)
+        delay = 1e-4
+        while not h._drained.is_set():
+            self._poll_engine(h)
+            left = limit - time.monotonic()
+            if h._drained.is_set() or left <= 0:
+                break
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
         return h.fence
+
+    def _abandon(self, h: TransferHandle, *, unproven: bool = False) -> None:
+        """Release every chunk a batch has in a polled engine (lock held): for a peer forgotten
+        in the engine, and on close, where the engine itself goes below."""
+        active, h._active = h._active, []
+        for chunk in active:
+            self._give_back(chunk, unproven=unproven)
+        self._live.discard(h)
 
     def fence_state(self, handle: TransferHandle) -> Fence:
         """``Fence`` of a batch now, without waiting (``PENDING`` while it is unfinished)."""
@@ -607,7 +640,7 @@ class Transport(abc.ABC):
             _stop_lanes(self._lanes)
             for h in list(self._live):
                 h.fail(f"{h.describe()}: the transport was closed")
-                self._abandon(h, unconfirmed=False)
+                self._abandon(h)
             stuck, self._stuck = self._stuck, []
             for chunk in stuck:  # the engine goes below: nothing of these can move after it
                 with suppress(TransportError):

@@ -223,12 +223,12 @@ class TransportConformance:
         """Factory of local agents; every transport made is closed at teardown."""
         made: list[Transport] = []
 
-        def make(options: dict[str, Any] | None = None) -> Agent:
+        def make(options: dict[str, Any] | None = None, size: int | None = None) -> Agent:
             transport = kvbridge.load_transport(
                 self.name, **(self.options if options is None else options)
             )
             made.append(transport)
-            buf = np.zeros(self.buffer_size, dtype=np.uint8)
+            buf = np.zeros(size or self.buffer_size, dtype=np.uint8)
             transport.register([MemoryRange(int(buf.ctypes.data), buf.nbytes)])
             return Agent(transport, buf)
 
@@ -243,12 +243,15 @@ class TransportConformance:
         count = itertools.count()
 
         def spawn(
-            options: dict[str, Any] | None = None, seed: int | None = None, device: str = "cpu"
+            options: dict[str, Any] | None = None,
+            seed: int | None = None,
+            device: str = "cpu",
+            size: int | None = None,
         ) -> PeerProcess:
             peer = PeerProcess(
                 self.name,
                 self.options if options is None else options,
-                self.buffer_size,
+                size or self.buffer_size,
                 tmp_path / f"peer-{next(count)}.log",
                 device=device,
             )
@@ -826,18 +829,18 @@ class TransportConformance:
 
     # -- fences -------------------------------------------------------------------------------
 
-    #: how long a peer that answers again may still take to apply bytes it had received
-    fence_grace: ClassVar[float] = 1.0
+    #: bytes moved by the stuttering-peer cases (large, so batches are in flight when it stops)
+    stutter_size: ClassVar[int] = 256 * MiB
+    #: options of the stuttering-peer cases: a short ``timeout``, so the batch fails while the
+    #: peer is still stopped
+    stutter_options: ClassVar[dict[str, Any] | None] = None
 
-    def _settle(self, agent: Agent, handle: Any, peer: PeerProcess, fence: Fence) -> None:
-        """Complete a fence the way the control plane does: wait out the engine, or confirm an
-        ``UNCONFIRMED`` one by the peer answering again, then its grace."""
-        if fence is Fence.PENDING:
-            fence = agent.transport.fence(handle, agent.transport.timeout + self.fault_margin)
-            assert fence is not Fence.PENDING, "the engine never gave the batch back"
-        if fence is Fence.UNCONFIRMED:
-            peer.call(cmd="ping")  # the peer answers: it runs again
-            time.sleep(self.fence_grace)
+    def _drained(self, agent: Agent, handle: Any) -> None:
+        """The peer runs again: the engine must end what it holds and prove it (``DRAINED``)."""
+        fence = agent.transport.fence(handle, agent.transport.timeout + self.fault_margin)
+        assert fence is Fence.DRAINED, (
+            f"the fence of a batch to a peer that runs again is {fence.name}, not DRAINED"
+        )
 
     @pytest.mark.timeout(120)
     @pytest.mark.parametrize("op", [WRITE, READ], ids=["write", "read"])
@@ -861,12 +864,70 @@ class TransportConformance:
             assert fence is Fence.DRAINED
         else:
             assert agent.transport.poll(handle).state is TransferState.FAILED
-            assert fence in (Fence.PENDING, Fence.UNCONFIRMED), "fenced while the peer is frozen"
+            assert fence is not Fence.DRAINED, "fenced while the peer is frozen"
         time.sleep(1.0)
         peer.thaw()
-        self._settle(agent, handle, peer, fence)
+        self._drained(agent, handle)
         remote, local = peer_bytes(peer).copy(), agent.buf.copy()
         time.sleep(2.0)
         assert_same_bytes(peer_bytes(peer), remote, "the peer's buffer after the fence")
         assert_same_bytes(agent.buf, local, "the local buffer after the fence")
         self._still_works(agent, spawn_peer, peer_bytes)
+
+    @pytest.mark.timeout(180)
+    @pytest.mark.parametrize("window_ms", [1, 10, 100])
+    @pytest.mark.parametrize("op", [WRITE, READ], ids=["write", "read"])
+    def test_stuttering_peer_fence(
+        self,
+        make_agent: MakeAgent,
+        spawn_peer: SpawnPeer,
+        peer_bytes: PeerBytes,
+        op: TransferOp,
+        window_ms: int,
+    ) -> None:
+        """The peer stops mid-batch, runs for ``window_ms``, stops again: the batch fails at its
+        deadline, its fence is not ``DRAINED`` while the engine may still move a byte, and once
+        it is, not one byte of either whole buffer changes any more.
+
+        An engine that answers in the short window, or whose own timer fires while the peer is
+        stopped, has not shown that its bytes stopped: a fence resting on such a signal lets the
+        rest land later, into memory the caller already reused.
+        """
+        options = self.stutter_options or {**self.fault_options, "timeout": 2}
+        size = self.stutter_size
+        agent = make_agent(options, size=size)
+        peer = spawn_peer(options, seed=61, size=size)
+        agent.transport.connect("p", peer.metadata)
+        agent.buf[:] = random_bytes(62, size)
+        agent.transport.transfer(WRITE, "p", agent.at([0]), at(peer, [0]), [MiB])  # warm up
+        pieces = 64  # several descriptors: engines move them as separate tasks
+        offsets = np.arange(pieces, dtype=U64) * U64(size // pieces)
+        lengths = np.full(pieces, size // pieces, dtype=U64)
+        handle = agent.transport.submit(op, "p", agent.at(offsets), at(peer, offsets), lengths)
+        time.sleep(0.02)  # bytes are moving
+        peer.freeze()
+        while not agent.transport.poll(handle).finished:  # the deadline passes while stopped
+            time.sleep(0.05)
+        fences = [agent.transport.fence(handle, 0.5)]
+        peer.thaw()
+        time.sleep(window_ms / 1e3)
+        peer.freeze()
+        # Stopped again, past any engine timer of the transport's timeout's order.
+        deadline = time.monotonic() + agent.transport.timeout + 1.0
+        early: np.ndarray | None = None  # the local buffer when a fence first said DRAINED
+        while time.monotonic() < deadline:
+            fences.append(agent.transport.fence(handle, 0.25))
+            if fences[-1] is Fence.DRAINED and early is None:
+                early = agent.buf.copy()
+        failed = agent.transport.poll(handle).state is TransferState.FAILED
+        assert not failed or Fence.UNPROVEN not in fences, (
+            "a batch to a peer that only stopped was fenced UNPROVEN: nothing failed but time"
+        )
+        peer.thaw()
+        self._drained(agent, handle)
+        remote, local = peer_bytes(peer).copy(), agent.buf.copy()
+        if early is not None:  # said DRAINED while the peer was stopped: nothing moved since
+            assert_same_bytes(local, early, "the local buffer after a fence while stopped")
+        time.sleep(2.0)
+        assert_same_bytes(peer_bytes(peer), remote, "the peer's buffer after the fence")
+        assert_same_bytes(agent.buf, local, "the local buffer after the fence")

@@ -149,8 +149,13 @@ def handle(
         return {"aborted": True}
     if name == "wait":
         out = plane.wait(cmd["request_id"], cmd.get("timeout", 30))
-        return {"request_id": out.request_id, "ok": out.ok, "reason": out.reason,
-                "stats": out.stats.__dict__}  # fmt: skip
+        reply = {"request_id": out.request_id, "ok": out.ok, "reason": out.reason,
+                 "stats": out.stats.__dict__}  # fmt: skip
+        if cmd.get("reuse"):  # the moment of the outcome, as vLLM reuses (recomputes into) blocks
+            for buf in arena.buffers:
+                buf.fill(0)
+            reply["digest"] = [hashlib.sha256(b.tobytes()).hexdigest() for b in arena.buffers]
+        return reply
     if name == "finished":
         return [{"request_id": o.request_id, "ok": o.ok, "reason": o.reason}
                 for o in plane.poll_finished()]  # fmt: skip

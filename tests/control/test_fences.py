@@ -145,3 +145,93 @@ def test_verify_passes_clean_loads_and_fails_corrupted_ones(engines, transport, 
             assert "integrity check" in outcome["reason"] and outcome["stats"]["verify_failed"]
     wait_for(lambda: not p.call(cmd="leased"), 10)
     assert_nothing_left(p)
+
+
+#: 32 layers of 8 KV heads x 128: a request of 8192 tokens moves 256 MiB of attention blocks.
+HUGE = {"kv_heads": 8, "head_dim": 128, "layers": 32, "num_blocks": 1100}
+HUGE_TOKENS = 8192
+
+
+def stutter(engine, window_s, again_s):
+    """The engine runs for ``window_s`` (answers what it can), then stops again for ``again_s``."""
+    engine.kill(signal.SIGCONT)
+    time.sleep(window_s)
+    engine.kill(signal.SIGSTOP)
+    time.sleep(again_s)
+    engine.kill(signal.SIGCONT)
+
+
+def assert_untouched_since(d, digest, seconds=3.0):
+    """D zeroed every buffer the moment it had the outcome: nothing may land in them since."""
+    time.sleep(seconds)
+    assert d.call(cmd="digest") == digest, "bytes landed in D's blocks after it reported"
+
+
+@pytest.mark.parametrize("window_ms", [1, 10, 100])
+def test_prefill_stuttering_during_pull(engines, transport, window_ms):
+    """P stops mid-read of 256 MiB, runs for a few ms, stops again for 3 s: D reports only once
+    its read is fenced by proof, and not one byte lands in its (reused) blocks after that."""
+    p = engines("prefill", transport, seed=141, lease=60, timeout=TIMEOUT, **HUGE)
+    d = engines("decode", transport, seed=142, timeout=TIMEOUT, **HUGE)
+    warm = publish(p, "warm", seed=3)
+    d_alloc = BlockAllocator(d.layout, 4)
+    d.call(cmd="pull", params=warm, block_ids=d_alloc.request(200))
+    assert d.call(cmd="wait", request_id="warm")["ok"]
+    params = publish(p, "stutter-p", tokens=HUGE_TOKENS, seed=5)
+    d.call(cmd="pull", params=params, block_ids=d_alloc.request(HUGE_TOKENS))
+    wait_for(lambda: "stutter-p" in d.call(cmd="reading"), 10, step=0.001)
+    time.sleep(0.01)  # bytes are moving
+    p.kill(signal.SIGSTOP)
+    start = time.monotonic()
+    time.sleep(TIMEOUT + 1)  # D's read passes its deadline while P is stopped
+    held = d.call(cmd="held")
+    stutter(p, window_ms / 1e3, 3.0)
+    outcome = d.call(cmd="wait", request_id="stutter-p", timeout=120, reuse=True)
+    FAULT_TIMINGS.append(
+        (f"{transport}: P stuttering ({window_ms} ms) during a pull -> D's outcome",
+         time.monotonic() - start)
+    )  # fmt: skip
+    assert_untouched_since(d, outcome["digest"])
+    assert outcome["request_id"] == "stutter-p", outcome
+    assert held == [] if outcome["ok"] else held == ["stutter-p"]
+    assert not outcome["stats"]["unproven"], outcome
+    assert d.call(cmd="held") == []
+    wait_for(lambda: freed(p, "stutter-p"), 20)
+    assert_nothing_left(p)
+
+
+@pytest.mark.parametrize("window_ms", [1, 10, 100])
+def test_decode_stuttering_during_push(engines, transport, window_ms):
+    """D stops mid-write of 256 MiB, runs for a few ms, stops again for 3 s: D reports only on
+    P's proven fence, and not one byte lands in its (reused) blocks after that."""
+    p = engines("prefill", transport, seed=151, lease=60, timeout=TIMEOUT, **HUGE)
+    d = engines("decode", transport, seed=152, timeout=TIMEOUT, **HUGE)
+    warm = publish(p, "warm", seed=3, mode="push")
+    d_alloc = BlockAllocator(d.layout, 4)
+    d.call(cmd="push", params=warm, block_ids=d_alloc.request(200))
+    assert d.call(cmd="wait", request_id="warm")["ok"]
+    rid = "stutter-d"
+    d_ids = d_alloc.request(HUGE_TOKENS)
+    ids = BlockAllocator(p.layout, 1).request(HUGE_TOKENS)
+    params = {  # D asks for the push before P has published: P writes as soon as it does
+        "request_id": rid, "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
+        "block_ids": ids, "num_tokens": HUGE_TOKENS, "transport": transport, "mode": "push",
+    }  # fmt: skip
+    d.call(cmd="push", params=params, block_ids=d_ids)
+    wait_for(lambda: rid in p.call(cmd="pending_push"), 10)
+    p.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=HUGE_TOKENS, mode="push")
+    time.sleep(0.01)  # P's write is under way
+    d.kill(signal.SIGSTOP)
+    start = time.monotonic()
+    time.sleep(TIMEOUT + 1)  # P's write passes its deadline while D is stopped
+    stutter(d, window_ms / 1e3, 3.0)
+    outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
+    FAULT_TIMINGS.append(
+        (f"{transport}: D stuttering ({window_ms} ms) during a push -> D's outcome",
+         time.monotonic() - start)
+    )  # fmt: skip
+    assert_untouched_since(d, outcome["digest"])
+    assert not outcome["stats"]["unproven"], outcome
+    assert d.call(cmd="held") == []
+    assert freed(p, rid) is not None or wait_for(lambda: freed(p, rid), 20)
+    assert_nothing_left(p)

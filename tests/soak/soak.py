@@ -7,6 +7,9 @@ waves of concurrent requests in random modes (pull, push). Before a wave one fau
 
 - ``freeze_p`` / ``freeze_d``: SIGSTOP the engine for 0.3-2x the timeout at a random point of the
   wave, then SIGCONT (delays and stalls transfers, control messages and acknowledgements);
+- ``stutter_p`` / ``stutter_d``: SIGSTOP the engine, SIGCONT it for 1-100 ms, SIGSTOP it again
+  for 1-2x the timeout, then SIGCONT (a peer that answers in the short window and stalls again:
+  a fence resting on the answer would let the rest of a given-up transfer land late);
 - ``kill_p``: SIGKILL the prefill engine mid-wave and start a new one (its requests fail at once);
 - ``drop_push_done``: P never delivers ``PushDone`` (D must ask P how the push ended);
 - ``duplicate``: every message of the wave's first request is sent again, late, by a client of
@@ -45,7 +48,8 @@ from tests.control.engine import (
     EngineProcess,
 )
 
-FAULTS = ("none", "freeze_p", "freeze_d", "kill_p", "drop_push_done", "duplicate")
+FAULTS = ("none", "freeze_p", "freeze_d", "stutter_p", "stutter_d", "kill_p", "drop_push_done",
+          "duplicate")  # fmt: skip
 TIMEOUT = 2.0  # control and transfer timeout of the soak engines: faults resolve quickly
 LEASE = 6.0
 KEEP = 12  # loads kept untouched (and checked again later) at most
@@ -131,7 +135,7 @@ class Soak:
         if fault == "drop_push_done":
             self.p.call(cmd="fault", name="drop_push_done")
         timer = None
-        if fault in ("freeze_p", "freeze_d"):  # at a random point of the wave
+        if fault in ("freeze_p", "freeze_d", "stutter_p", "stutter_d"):  # at a random point
             timer = self._disturber(fault)
         for i in range(n):
             rid = f"{self.transport}-{self.tally.requests}"
@@ -218,7 +222,7 @@ class Soak:
 
     def _disturber(self, fault: str) -> threading.Thread:
         delay = self.rng.uniform(0.0, 0.15)
-        target = self.p if fault != "freeze_d" else self.d
+        target = self.d if fault in ("freeze_d", "stutter_d") else self.p
         length = self.rng.uniform(0.3, 2.0) * TIMEOUT
         thread = threading.Thread(target=self._disturb, args=(fault, target, delay, length))
         thread.start()
@@ -232,6 +236,11 @@ class Soak:
             return
         target.kill(signal.SIGSTOP)
         time.sleep(length)
+        if fault.startswith("stutter"):  # runs a few ms, then stops again, past the timeout
+            target.kill(signal.SIGCONT)
+            time.sleep(self.rng.uniform(0.001, 0.1))
+            target.kill(signal.SIGSTOP)
+            time.sleep(self.rng.uniform(1.0, 2.0) * TIMEOUT)
         target.kill(signal.SIGCONT)
 
     def _duplicate(self, params: dict, d_ids: dict) -> None:

@@ -9,6 +9,8 @@ cycle:
 
 - ``freeze_p`` / ``freeze_d``: SIGSTOP of the engine's process group before D has the wave or up
   to 0.2 s into its loads, for 0.3-2x the timeout, then SIGCONT;
+- ``stutter_p`` / ``stutter_d``: such a freeze, then SIGCONT for 1-100 ms and SIGSTOP again for
+  1-2x the timeout (a peer that answers in the short window and stalls again);
 - ``kill_p`` / ``kill_d``: SIGKILL at such a point; the engine is started again (a killed D's
   requests end with it: nothing of them is checked but P's blocks coming back); in every
   fifth cycle only (the first included), as a restart costs a minute here;
@@ -42,7 +44,8 @@ from typing import Any
 from tests.adapters.vllm.e2e import faults as fault_kit
 from tests.adapters.vllm.e2e.run_pd import CORE_D, CORE_P, Engine, Reference, kv_config
 
-FAULTS = ("none", "freeze_p", "freeze_d", "kill_p", "kill_d", "late_write")
+FAULTS = ("none", "freeze_p", "freeze_d", "stutter_p", "stutter_d", "kill_p", "kill_d",
+          "late_write")  # fmt: skip
 TIMEOUT = 3.0
 LEASE = 9.0
 MAX_TOKENS = 16
@@ -151,19 +154,23 @@ class VllmSoak:
         self.log(f"  wave of {n} ({fault}) in {time.perf_counter() - t0:.1f} s")
 
     def _disturber(self, fault: str) -> threading.Thread | None:
-        if fault not in ("freeze_p", "freeze_d", "kill_p", "kill_d"):
+        if fault not in ("freeze_p", "freeze_d", "stutter_p", "stutter_d", "kill_p", "kill_d"):
             return None
         target = self.p if fault.endswith("_p") else self.d
         # A third of the time before D has the wave, else while D loads it.
         delay = max(0.0, self.rng.uniform(-0.1, 0.2))
         length = self.rng.uniform(0.3, 2.0) * TIMEOUT
+        window, again = self.rng.uniform(0.001, 0.1), self.rng.uniform(1.0, 2.0) * TIMEOUT
 
         def hit() -> None:
             time.sleep(delay)
             if fault.startswith("kill"):
                 target.kill()
-            else:
-                target.freeze(length)
+                return
+            target.freeze(length)
+            if fault.startswith("stutter"):  # runs a few ms, then stops again
+                time.sleep(length + window)
+                target.freeze(again)
 
         t = threading.Thread(target=hit, daemon=True)
         t.start()

@@ -396,6 +396,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._early: list[str] = []  # publishes that failed: report their blocks free at once
         self._failed_now: set[str] = set()  # loads that could not even start
         self._stats = KVBridgeStats()
+        self._unproven_seen: set[str] = set()  # loads held for good, already counted
         if role == KVConnectorRole.SCHEDULER:
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
             self.scheduler = SchedulerState(
@@ -584,6 +585,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         held = len(self.plane.held)
         if held:
             self._stats.record_held(held)
+            unproven = set(self.plane.unproven)
+            if unproven - self._unproven_seen:
+                self._stats.record_unproven(len(unproven - self._unproven_seen))
+            self._unproven_seen = unproven
         return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

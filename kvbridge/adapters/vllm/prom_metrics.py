@@ -82,10 +82,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             ("fenced", self._counter(
                 "vllm:kvbridge_fenced",
                 "Failed loads that waited for a fence before their blocks were freed.")),
-            ("unconfirmed", self._counter(
-                "vllm:kvbridge_unconfirmed_fences",
-                "Failed loads whose fence needed the peer's word (the engine gave part of the "
-                "transfer up without knowing whether it landed).")),
+            ("unproven", self._counter(
+                "vllm:kvbridge_unproven_fences",
+                "Failed loads held for good: the transport could not prove that no byte of "
+                "them still lands, so their blocks never go back to the engine.")),
             ("verify_failed", self._counter(
                 "vllm:kvbridge_verify_failures",
                 "Loads whose integrity check (verify) found a difference between what prefill "

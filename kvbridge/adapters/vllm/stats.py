@@ -20,11 +20,12 @@ SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "ha
 
 
 #: Counters summed over workers and intervals: failed loads; of those, the ones that waited for a
-#: fence (and how long) and those whose fence needed the peer's word; requests held (the most at
-#: one time: blocks out of use while a silent peer may still deliver bytes); loads whose
+#: fence (and how long); requests held (the most at one time: blocks out of use while a silent
+#: peer may still deliver bytes) and, of those, held for good (no fence proves their bytes
+#: stopped: never handed back); loads whose
 #: integrity check (``verify``) found a difference; P: published requests whose lease expired
 #: before D released them.
-COUNTERS = ("failed", "fenced", "unconfirmed", "held", "verify_failed", "lease_expired")
+COUNTERS = ("failed", "fenced", "unproven", "held", "verify_failed", "lease_expired")
 
 
 def _empty() -> dict[str, Any]:
@@ -52,8 +53,6 @@ class KVBridgeStats(KVConnectorStats):
         if stats is not None and stats.fence_s > 0:
             self.data["fenced"] += 1
             self.data["fence_s"].append(stats.fence_s)
-        if stats is not None and stats.unconfirmed:
-            self.data["unconfirmed"] += 1
         if stats is not None and stats.verify_failed:
             self.data["verify_failed"] += 1
 
@@ -64,6 +63,10 @@ class KVBridgeStats(KVConnectorStats):
     def record_held(self, count: int) -> None:
         """Requests whose blocks wait for a fence right now."""
         self.data["held"] = max(int(self.data["held"]), count)
+
+    def record_unproven(self, count: int) -> None:
+        """Loads newly held for good: no fence proves their bytes stopped."""
+        self.data["unproven"] += count
 
     def reset(self) -> None:
         self.data = _empty()
@@ -86,7 +89,7 @@ class KVBridgeStats(KVConnectorStats):
             "transfers": int(nbytes.size),
             "failed": int(self.data["failed"]),
         }
-        for name in ("fenced", "unconfirmed", "held", "verify_failed", "lease_expired"):
+        for name in ("fenced", "unproven", "held", "verify_failed", "lease_expired"):
             if self.data[name]:
                 out[name] = int(self.data[name])
         if self.data["fence_s"]:

@@ -16,18 +16,33 @@ Engine facts this module is built around (measured with mooncake-transfer-engine
 * The TCP transport does not check that local addresses are registered, and it does not support
   overlapping registrations (error -7). A remote range outside the peer's registrations is refused
   by the peer.
+* What proves a chunk's bytes stopped (read in the engine's TCP transport): each descriptor is a
+  task with its own connection and session, whose handlers run on the engine's io thread and read
+  the socket straight into the destination (the initiator's memory for a read, the target's for a
+  write). A session stops touching memory once its last handler ran, and a task is finished only
+  then; a write's task completes only after the target acknowledged that its memory holds the
+  payload (the v2 status frame). No engine timer cancels a session: the binding's
+  ``get_batch_transfer_status`` gives up at ``MC_TRANSFER_TIMEOUT`` without cancelling anything,
+  and the payload has no deadline. It reports ``COMPLETED`` only when every task completed, but
+  returns on the *first* failed task (other tasks may still be moving), freeing the batch only if
+  all had finished, and Python cannot learn which it did nor ask again. The engine's C++ status
+  calls can (``batch_status``): they report every task without freeing the batch.
 
 Hence ``blocking_engine``: the base runs every engine call that moves bytes on a per-peer lane
 thread (``kvbridge.core.lanes``), keeps at most ``max_in_flight`` descriptors in the engine per
 peer and waits for chunks in order; ``poll`` reads Python state only, so it never blocks, and a
-batch past its deadline is reported ``FAILED`` whatever the engine is doing. This module is the
-engine calls.
+batch past its deadline is reported ``FAILED`` whatever the engine is doing. The lane waits for a
+chunk with the engine's own status calls until every task of it is terminal, with no timer: a
+chunk comes back completed (every byte landed) or failed with every task ended, and either way no
+session touches its memory any more, which is what its fence rests on. Without those calls (a
+build that does not export them) the binding's wait is used, set far beyond any transfer
+(``ENGINE_WAIT_S``), and a failed chunk of several tasks is ``unproven`` (see ``Fence``). This
+module is the engine calls.
 """
 
 from __future__ import annotations
 
-import math
-import time
+import importlib
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -44,13 +59,16 @@ from kvbridge.core.transport import (
     Transport,
     TransportLimits,
 )
+from kvbridge.transports.mooncake import batch_status
 
 #: ``metadata_server`` value that makes engines exchange metadata peer to peer (no server).
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 #: Descriptors one peer accepts in flight with the engine's default TCP queue settings.
 DEFAULT_MAX_IN_FLIGHT = 2048
-#: Lower bound the engine applies to ``MC_TRANSFER_TIMEOUT``.
-ENGINE_MIN_TIMEOUT_S = 5
+#: The binding's own wait for a batch (``MC_TRANSFER_TIMEOUT``), in seconds: a year, so it never
+#: gives a chunk up while its sessions may still move bytes (the batch's deadline is kept by the
+#: base, in Python).
+ENGINE_WAIT_S = 365 * 24 * 3600
 
 _INSTALL_HINT = (
     "pip install 'kvbridge[mooncake]' (package mooncake-transfer-engine-non-cuda; "
@@ -104,8 +122,8 @@ class MooncakeTransport(Transport):
             more than about 2048 with its default queue settings); extra chunks wait their turn.
         retries: times a failed chunk is submitted again before its batch fails (only while
             the batch's deadline has not passed; reads and writes are idempotent).
-        timeout: seconds a batch may take from ``submit``; also sets ``MC_TRANSFER_TIMEOUT``
-            (at least 5 s) for the engine so its own waits end soon after.
+        timeout: seconds a batch may take from ``submit``; past it the batch fails, and the
+            engine keeps what it already moves until it ends (``fence`` tells when).
     """
 
     name: ClassVar[str] = "mooncake"
@@ -137,9 +155,8 @@ class MooncakeTransport(Transport):
         engine_cls = self._load_engine()
         self.protocol = protocol
         self._session = hostname
-        engine_timeout = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.timeout))
-        self._engine_timeout = float(engine_timeout)
-        with environment_overrides({"MC_TRANSFER_TIMEOUT": str(engine_timeout)}):
+        self._status = batch_status.load(importlib.import_module(engine_cls.__module__))
+        with environment_overrides({"MC_TRANSFER_TIMEOUT": str(ENGINE_WAIT_S)}):
             engine = engine_cls()
             rc = engine.initialize(hostname, metadata_server, protocol, device_name)
         if rc != 0:
@@ -242,16 +259,15 @@ class MooncakeTransport(Transport):
 
     def _wait_chunk(self, chunk: Chunk) -> ChunkResult:
         engine, batch_id = chunk.token
+        if self._status is not None:
+            completed, why = self._status.wait(engine, batch_id, len(chunk.lengths))
+            return CHUNK_OK if completed else ChunkResult(False, why)
         rc = engine.get_batch_transfer_status([batch_id])
         if rc == 0:
             return CHUNK_OK
-        # Given up by the engine's own timeout: the peer (frozen) may still apply bytes it
-        # already received once it resumes.
-        waited = time.monotonic() - chunk.started
+        # The first failed task ends the call: with more than one task, others may still move.
         return ChunkResult(
-            False,
-            f"get_batch_transfer_status returned {rc}",
-            unconfirmed=waited >= 0.9 * self._engine_timeout,
+            False, f"get_batch_transfer_status returned {rc}", unproven=len(chunk.lengths) > 1
         )
 
     def _close_engine(self) -> None:

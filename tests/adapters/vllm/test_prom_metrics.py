@@ -116,7 +116,8 @@ def two_workers() -> dict[str, Any]:
     w0.record(transfer(0.004, 3 * KiB, 1, handshake=0.15))
     w0.record(transfer(0.02, 5 * MiB, 40))
     w1.record(transfer(3.0, 2 * GiB, 5000))
-    w1.record_failure(RequestStats(fence_s=0.2, unconfirmed=True))
+    w1.record_failure(RequestStats(fence_s=0.2))
+    w1.record_unproven(1)
     w1.record_failure(RequestStats(verify_failed=True))
     w1.record_failure()
     w1.record_lease_expiry()
@@ -173,7 +174,7 @@ def test_prometheus_logger_exports_one_step(vllm_config: VllmConfig) -> None:
     counters = {
         "vllm:kvbridge_transfers_total": 3, "vllm:kvbridge_transfer_failures_total": 3,
         "vllm:kvbridge_lease_expiries_total": 2, "vllm:kvbridge_fenced_total": 1,
-        "vllm:kvbridge_unconfirmed_fences_total": 1, "vllm:kvbridge_verify_failures_total": 1,
+        "vllm:kvbridge_unproven_fences_total": 1, "vllm:kvbridge_verify_failures_total": 1,
     }  # fmt: skip
     assert {name: one(name) for name in counters} == counters
     # Engine 0 reported nothing: its series exist, at zero.
