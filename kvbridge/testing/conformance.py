@@ -874,20 +874,14 @@ class TransportConformance:
         assert_same_bytes(agent.buf, local, "the local buffer after the fence")
         self._still_works(agent, spawn_peer, peer_bytes)
 
-    @pytest.mark.timeout(180)
-    @pytest.mark.parametrize("window_ms", [1, 10, 100])
+    @pytest.mark.timeout(240)
     @pytest.mark.parametrize("op", [WRITE, READ], ids=["write", "read"])
     def test_stuttering_peer_fence(
-        self,
-        make_agent: MakeAgent,
-        spawn_peer: SpawnPeer,
-        peer_bytes: PeerBytes,
-        op: TransferOp,
-        window_ms: int,
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes, op: TransferOp
     ) -> None:
-        """The peer stops mid-batch, runs for ``window_ms``, stops again: the batch fails at its
-        deadline, its fence is not ``DRAINED`` while the engine may still move a byte, and once
-        it is, not one byte of either whole buffer changes any more.
+        """The peer stops mid-batch, runs for 1, 10 or 100 ms, stops again past the timeout: the
+        batch fails at its deadline, its fence is never ``UNPROVEN`` for a peer that only
+        stopped, and once it is ``DRAINED`` not one byte of either whole buffer changes any more.
 
         An engine that answers in the short window, or whose own timer fires while the peer is
         stopped, has not shown that its bytes stopped: a fence resting on such a signal lets the
@@ -896,13 +890,30 @@ class TransportConformance:
         options = self.stutter_options or {**self.fault_options, "timeout": 2}
         size = self.stutter_size
         agent = make_agent(options, size=size)
-        peer = spawn_peer(options, seed=61, size=size)
+        peer = spawn_peer(options, size=size)
         agent.transport.connect("p", peer.metadata)
-        agent.buf[:] = random_bytes(62, size)
         agent.transport.transfer(WRITE, "p", agent.at([0]), at(peer, [0]), [MiB])  # warm up
         pieces = 64  # several descriptors: engines move them as separate tasks
         offsets = np.arange(pieces, dtype=U64) * U64(size // pieces)
         lengths = np.full(pieces, size // pieces, dtype=U64)
+        for seed, window_ms in enumerate((1, 10, 100), start=61):
+            # New source bytes each round, so that a late byte differs from what is there.
+            if op is WRITE:
+                agent.buf[:] = random_bytes(seed, size)
+            else:
+                peer.call(cmd="fill", seed=seed)
+            self._stutter(agent, peer, peer_bytes, op, offsets, lengths, window_ms)
+
+    def _stutter(
+        self,
+        agent: Agent,
+        peer: PeerProcess,
+        peer_bytes: PeerBytes,
+        op: TransferOp,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        window_ms: int,
+    ) -> None:
         handle = agent.transport.submit(op, "p", agent.at(offsets), at(peer, offsets), lengths)
         time.sleep(0.02)  # bytes are moving
         peer.freeze()
@@ -919,15 +930,14 @@ class TransportConformance:
             fences.append(agent.transport.fence(handle, 0.25))
             if fences[-1] is Fence.DRAINED and early is None:
                 early = agent.buf.copy()
-        failed = agent.transport.poll(handle).state is TransferState.FAILED
-        assert not failed or Fence.UNPROVEN not in fences, (
-            "a batch to a peer that only stopped was fenced UNPROVEN: nothing failed but time"
+        assert Fence.UNPROVEN not in fences, (
+            f"{window_ms} ms window: a batch to a peer that only stopped was fenced UNPROVEN"
         )
         peer.thaw()
         self._drained(agent, handle)
         remote, local = peer_bytes(peer).copy(), agent.buf.copy()
         if early is not None:  # said DRAINED while the peer was stopped: nothing moved since
-            assert_same_bytes(local, early, "the local buffer after a fence while stopped")
-        time.sleep(2.0)
-        assert_same_bytes(peer_bytes(peer), remote, "the peer's buffer after the fence")
-        assert_same_bytes(agent.buf, local, "the local buffer after the fence")
+            assert_same_bytes(local, early, f"{window_ms} ms window: the local buffer")
+        time.sleep(1.5)
+        assert_same_bytes(peer_bytes(peer), remote, f"{window_ms} ms window: the peer's buffer")
+        assert_same_bytes(agent.buf, local, f"{window_ms} ms window: the local buffer")

@@ -167,8 +167,12 @@ def assert_untouched_since(d, digest, seconds=3.0):
     assert d.call(cmd="digest") == digest, "bytes landed in D's blocks after it reported"
 
 
-@pytest.mark.parametrize("window_ms", [1, 10, 100])
-def test_prefill_stuttering_during_pull(engines, transport, window_ms):
+#: How long the stopped side runs between its two stops: a sweep of 1-100 ms, one engine pair
+#: per transport and mode (each round reuses the blocks the previous one's outcome freed).
+WINDOWS_MS = (1, 10, 100)
+
+
+def test_prefill_stuttering_during_pull(engines, transport):
     """P stops mid-read of 256 MiB, runs for a few ms, stops again for 3 s: D reports only once
     its read is fenced by proof, and not one byte lands in its (reused) blocks after that."""
     p = engines("prefill", transport, seed=141, lease=60, timeout=TIMEOUT, **HUGE)
@@ -177,31 +181,34 @@ def test_prefill_stuttering_during_pull(engines, transport, window_ms):
     d_alloc = BlockAllocator(d.layout, 4)
     d.call(cmd="pull", params=warm, block_ids=d_alloc.request(200))
     assert d.call(cmd="wait", request_id="warm")["ok"]
-    params = publish(p, "stutter-p", tokens=HUGE_TOKENS, seed=5)
-    d.call(cmd="pull", params=params, block_ids=d_alloc.request(HUGE_TOKENS))
-    wait_for(lambda: "stutter-p" in d.call(cmd="reading"), 10, step=0.001)
-    time.sleep(0.01)  # bytes are moving
-    p.kill(signal.SIGSTOP)
-    start = time.monotonic()
-    time.sleep(TIMEOUT + 1)  # D's read passes its deadline while P is stopped
-    held = d.call(cmd="held")
-    stutter(p, window_ms / 1e3, 3.0)
-    outcome = d.call(cmd="wait", request_id="stutter-p", timeout=120, reuse=True)
-    FAULT_TIMINGS.append(
-        (f"{transport}: P stuttering ({window_ms} ms) during a pull -> D's outcome",
-         time.monotonic() - start)
-    )  # fmt: skip
-    assert_untouched_since(d, outcome["digest"])
-    assert outcome["request_id"] == "stutter-p", outcome
-    assert held == [] if outcome["ok"] else held == ["stutter-p"]
-    assert not outcome["stats"]["unproven"], outcome
-    assert d.call(cmd="held") == []
-    wait_for(lambda: freed(p, "stutter-p"), 20)
+    p_ids, d_ids = BlockAllocator(p.layout, 5).request(HUGE_TOKENS), d_alloc.request(HUGE_TOKENS)
+    for window_ms in WINDOWS_MS:
+        rid = f"stutter-p-{window_ms}"
+        params = p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS,
+                        mode="pull")  # fmt: skip
+        d.call(cmd="pull", params=params, block_ids=d_ids)
+        wait_for(lambda rid=rid: rid in d.call(cmd="reading"), 10, step=0.001)
+        time.sleep(0.01)  # bytes are moving
+        p.kill(signal.SIGSTOP)
+        start = time.monotonic()
+        time.sleep(TIMEOUT + 1)  # D's read passes its deadline while P is stopped
+        held = d.call(cmd="held")
+        stutter(p, window_ms / 1e3, 3.0)
+        outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
+        FAULT_TIMINGS.append(
+            (f"{transport}: P stuttering ({window_ms} ms) during a pull -> D's outcome",
+             time.monotonic() - start)
+        )  # fmt: skip
+        assert_untouched_since(d, outcome["digest"])
+        assert outcome["request_id"] == rid, outcome
+        assert held == [] if outcome["ok"] else held == [rid]
+        assert not outcome["stats"]["unproven"], outcome
+        assert d.call(cmd="held") == []
+        wait_for(lambda rid=rid: freed(p, rid), 20)  # P's blocks are free for the next round
     assert_nothing_left(p)
 
 
-@pytest.mark.parametrize("window_ms", [1, 10, 100])
-def test_decode_stuttering_during_push(engines, transport, window_ms):
+def test_decode_stuttering_during_push(engines, transport):
     """D stops mid-write of 256 MiB, runs for a few ms, stops again for 3 s: D reports only on
     P's proven fence, and not one byte lands in its (reused) blocks after that."""
     p = engines("prefill", transport, seed=151, lease=60, timeout=TIMEOUT, **HUGE)
@@ -210,28 +217,30 @@ def test_decode_stuttering_during_push(engines, transport, window_ms):
     d_alloc = BlockAllocator(d.layout, 4)
     d.call(cmd="push", params=warm, block_ids=d_alloc.request(200))
     assert d.call(cmd="wait", request_id="warm")["ok"]
-    rid = "stutter-d"
-    d_ids = d_alloc.request(HUGE_TOKENS)
-    ids = BlockAllocator(p.layout, 1).request(HUGE_TOKENS)
-    params = {  # D asks for the push before P has published: P writes as soon as it does
-        "request_id": rid, "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
-        "block_ids": ids, "num_tokens": HUGE_TOKENS, "transport": transport, "mode": "push",
-    }  # fmt: skip
-    d.call(cmd="push", params=params, block_ids=d_ids)
-    wait_for(lambda: rid in p.call(cmd="pending_push"), 10)
-    p.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=HUGE_TOKENS, mode="push")
-    time.sleep(0.01)  # P's write is under way
-    d.kill(signal.SIGSTOP)
-    start = time.monotonic()
-    time.sleep(TIMEOUT + 1)  # P's write passes its deadline while D is stopped
-    stutter(d, window_ms / 1e3, 3.0)
-    outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
-    FAULT_TIMINGS.append(
-        (f"{transport}: D stuttering ({window_ms} ms) during a push -> D's outcome",
-         time.monotonic() - start)
-    )  # fmt: skip
-    assert_untouched_since(d, outcome["digest"])
-    assert not outcome["stats"]["unproven"], outcome
-    assert d.call(cmd="held") == []
-    assert freed(p, rid) is not None or wait_for(lambda: freed(p, rid), 20)
+    p_ids, d_ids = BlockAllocator(p.layout, 1).request(HUGE_TOKENS), d_alloc.request(HUGE_TOKENS)
+    for window_ms in WINDOWS_MS:
+        rid = f"stutter-d-{window_ms}"
+        params = {  # D asks for the push before P has published: P writes as soon as it does
+            "request_id": rid, "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
+            "block_ids": p_ids, "num_tokens": HUGE_TOKENS, "transport": transport,
+            "mode": "push",
+        }  # fmt: skip
+        d.call(cmd="push", params=params, block_ids=d_ids)
+        wait_for(lambda rid=rid: rid in p.call(cmd="pending_push"), 10)
+        p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS,
+               mode="push")  # fmt: skip
+        time.sleep(0.01)  # P's write is under way
+        d.kill(signal.SIGSTOP)
+        start = time.monotonic()
+        time.sleep(TIMEOUT + 1)  # P's write passes its deadline while D is stopped
+        stutter(d, window_ms / 1e3, 3.0)
+        outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
+        FAULT_TIMINGS.append(
+            (f"{transport}: D stuttering ({window_ms} ms) during a push -> D's outcome",
+             time.monotonic() - start)
+        )  # fmt: skip
+        assert_untouched_since(d, outcome["digest"])
+        assert not outcome["stats"]["unproven"], outcome
+        assert d.call(cmd="held") == []
+        wait_for(lambda rid=rid: freed(p, rid), 20)
     assert_nothing_left(p)
