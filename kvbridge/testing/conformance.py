@@ -690,25 +690,36 @@ class TransportConformance:
         self._still_works(agent, spawn_peer, peer_bytes)
 
     @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("op", [WRITE, READ], ids=["write", "read"])
     def test_peer_killed_mid_transfer(
-        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes, op: TransferOp
     ) -> None:
+        """The batch fails within the timeout, and its fence proves its end (``DRAINED``): the
+        engine ends every part of a batch to a peer that is gone, also of many descriptors."""
         agent = make_agent(self.fault_options)
         peer = spawn_peer()
         agent.transport.connect("p", peer.metadata)
         agent.transport.transfer(WRITE, "p", agent.at([0]), at(peer, [0]), [MiB])
-        size = self.buffer_size
-        handle = agent.transport.submit(WRITE, "p", agent.at([0]), at(peer, [0]), [size])
+        pieces = 16
+        offsets = np.arange(pieces, dtype=U64) * U64(self.buffer_size // pieces)
+        lengths = np.full(pieces, self.buffer_size // pieces, dtype=U64)
+
+        def submit() -> Any:
+            return agent.transport.submit(op, "p", agent.at(offsets), at(peer, offsets), lengths)
+
+        handle = submit()
         peer.proc.kill()  # SIGKILL while the batch is moving
         start = time.monotonic()
         with pytest.raises(TransportError):
             for _ in range(20):  # the first batch may have landed before the kill
                 agent.transport.wait(handle)
-                handle = agent.transport.submit(WRITE, "p", agent.at([0]), at(peer, [0]), [size])
+                handle = submit()
         limit = agent.transport.timeout + self.fault_margin
         record_fault(
-            type(self).__name__, "peer SIGKILLed mid-transfer", time.monotonic() - start, limit
+            type(self).__name__, f"peer SIGKILLed mid-{op.value}", time.monotonic() - start, limit
         )
+        fence = agent.transport.fence(handle, limit)
+        assert fence is Fence.DRAINED, f"the fence of a batch to a killed peer is {fence.name}"
         peer.kill()
         self._still_works(agent, spawn_peer, peer_bytes)
 
