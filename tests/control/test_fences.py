@@ -152,13 +152,30 @@ HUGE = {"kv_heads": 8, "head_dim": 128, "layers": 32, "num_blocks": 1100}
 HUGE_TOKENS = 8192
 
 
-def stutter(engine, window_s, again_s):
-    """The engine runs for ``window_s`` (answers what it can), then stops again for ``again_s``."""
-    engine.kill(signal.SIGCONT)
-    time.sleep(window_s)
-    engine.kill(signal.SIGSTOP)
-    time.sleep(again_s)
-    engine.kill(signal.SIGCONT)
+def stutter_round(stopped, d, transport, rid, window_ms, what):
+    """Stop ``stopped`` mid-transfer past the deadline, let it run ``window_ms``, stop it again
+    for 3 s, then let it run: D's outcome (D zeroes its buffers the moment it has it, as vLLM
+    reuses blocks), D's held requests while P was stopped, and a check that nothing lands since."""
+    time.sleep(0.01)  # bytes are moving
+    stopped.kill(signal.SIGSTOP)
+    start = time.monotonic()
+    time.sleep(TIMEOUT + 1)  # the transfer passes its deadline while stopped
+    held = d.call(cmd="held") if stopped is not d else None  # a stopped D answers nothing
+    stopped.kill(signal.SIGCONT)  # it answers what it can in the window
+    time.sleep(window_ms / 1e3)
+    stopped.kill(signal.SIGSTOP)
+    time.sleep(3.0)
+    stopped.kill(signal.SIGCONT)
+    outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
+    FAULT_TIMINGS.append(
+        (f"{transport}: {what} stuttering ({window_ms} ms) -> D's outcome",
+         time.monotonic() - start)
+    )  # fmt: skip
+    assert_untouched_since(d, outcome["digest"])
+    assert outcome["request_id"] == rid, outcome
+    assert not outcome["stats"]["unproven"], outcome
+    assert d.call(cmd="held") == []
+    return outcome, held
 
 
 def assert_untouched_since(d, digest, seconds=3.0):
@@ -188,22 +205,8 @@ def test_prefill_stuttering_during_pull(engines, transport):
                         mode="pull")  # fmt: skip
         d.call(cmd="pull", params=params, block_ids=d_ids)
         wait_for(lambda rid=rid: rid in d.call(cmd="reading"), 10, step=0.001)
-        time.sleep(0.01)  # bytes are moving
-        p.kill(signal.SIGSTOP)
-        start = time.monotonic()
-        time.sleep(TIMEOUT + 1)  # D's read passes its deadline while P is stopped
-        held = d.call(cmd="held")
-        stutter(p, window_ms / 1e3, 3.0)
-        outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
-        FAULT_TIMINGS.append(
-            (f"{transport}: P stuttering ({window_ms} ms) during a pull -> D's outcome",
-             time.monotonic() - start)
-        )  # fmt: skip
-        assert_untouched_since(d, outcome["digest"])
-        assert outcome["request_id"] == rid, outcome
+        outcome, held = stutter_round(p, d, transport, rid, window_ms, "P in a pull")
         assert held == [] if outcome["ok"] else held == [rid]
-        assert not outcome["stats"]["unproven"], outcome
-        assert d.call(cmd="held") == []
         wait_for(lambda rid=rid: freed(p, rid), 20)  # P's blocks are free for the next round
     assert_nothing_left(p)
 
@@ -229,18 +232,6 @@ def test_decode_stuttering_during_push(engines, transport):
         wait_for(lambda rid=rid: rid in p.call(cmd="pending_push"), 10)
         p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS,
                mode="push")  # fmt: skip
-        time.sleep(0.01)  # P's write is under way
-        d.kill(signal.SIGSTOP)
-        start = time.monotonic()
-        time.sleep(TIMEOUT + 1)  # P's write passes its deadline while D is stopped
-        stutter(d, window_ms / 1e3, 3.0)
-        outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
-        FAULT_TIMINGS.append(
-            (f"{transport}: D stuttering ({window_ms} ms) during a push -> D's outcome",
-             time.monotonic() - start)
-        )  # fmt: skip
-        assert_untouched_since(d, outcome["digest"])
-        assert not outcome["stats"]["unproven"], outcome
-        assert d.call(cmd="held") == []
+        stutter_round(d, d, transport, rid, window_ms, "D in a push")
         wait_for(lambda rid=rid: freed(p, rid), 20)
     assert_nothing_left(p)
