@@ -19,7 +19,7 @@ import abc
 import threading
 import time
 import weakref
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -511,11 +511,9 @@ class Transport(abc.ABC):
     def _settle(self, h: TransferHandle) -> None:
         """A finished batch's chunks still in a polled engine (lock held): cancel them where a
         cancel is a fence; otherwise they stay watched until the engine ends them."""
-        if h._active and self.cancel_is_fence:
-            active, h._active = h._active, []
-            for chunk in active:
-                self._give_back(chunk, unproven=False)
-        if not h._active:
+        if self.cancel_is_fence:
+            self._abandon(h)
+        elif not h._active:
             self._live.discard(h)
 
     def _give_back(self, chunk: Chunk, *, unproven: bool) -> None:
@@ -525,6 +523,14 @@ class Transport(abc.ABC):
             chunk.handle.leave_engine(unproven=unproven)
         else:
             self._stuck.append(chunk)
+
+    def _abandon(self, h: TransferHandle, *, unproven: bool = False) -> None:
+        """Release every chunk a batch has in a polled engine (lock held): for a peer forgotten
+        in the engine, and on close, where the engine itself goes below."""
+        active, h._active = h._active, []
+        for chunk in active:
+            self._give_back(chunk, unproven=unproven)
+        self._live.discard(h)
 
     def release(self, handle: TransferHandle) -> None:
         """Abandon a batch: it ends ``FAILED`` unless it finished; no further part of it starts.
@@ -555,25 +561,13 @@ class Transport(abc.ABC):
         if self.blocking_engine:
             h._drained.wait(max(0.0, timeout))
             return h.fence
-        # A polled engine moves (and ends) what it holds only while it is asked.
-        limit = time.monotonic() + max(0.0, timeout)
-        delay = 1e-4
-        while not h._drained.is_set():
-            self._poll_engine(h)
-            left = limit - time.monotonic()
-            if h._drained.is_set() or left <= 0:
-                break
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.02)
-        return h.fence
 
-    def _abandon(self, h: TransferHandle, *, unproven: bool = False) -> None:
-        """Release every chunk a batch has in a polled engine (lock held): for a peer forgotten
-        in the engine, and on close, where the engine itself goes below."""
-        active, h._active = h._active, []
-        for chunk in active:
-            self._give_back(chunk, unproven=unproven)
-        self._live.discard(h)
+        def drained() -> bool:  # a polled engine moves (and ends) what it holds only when asked
+            self._poll_engine(h)
+            return h._drained.is_set()
+
+        _poll_until(drained, time.monotonic() + max(0.0, timeout), 1e-4, 0.02)
+        return h.fence
 
     def fence_state(self, handle: TransferHandle) -> Fence:
         """``Fence`` of a batch now, without waiting (``PENDING`` while it is unfinished)."""
@@ -592,10 +586,7 @@ class Transport(abc.ABC):
         else:
             # Polled engines progress while asked: a short cap keeps the wait's overshoot small
             # (each check is a few microseconds).
-            delay = 1e-5
-            while not self.poll(h).finished and time.monotonic() < limit:
-                time.sleep(delay)
-                delay = min(delay * 2, 2e-4)
+            _poll_until(lambda: self.poll(h).finished, limit, 1e-5, 2e-4)
         status = self.poll(h)
         if status.state is TransferState.DONE:
             return
@@ -667,6 +658,15 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _poll_until(done: Callable[[], bool], limit: float, first: float, cap: float) -> None:
+    """Call ``done`` until it returns True or the monotonic ``limit`` passes, sleeping between
+    calls from ``first`` s, doubling up to ``cap`` s."""
+    delay = first
+    while not done() and (left := limit - time.monotonic()) > 0:
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, cap)
 
 
 def _stop_lanes(lanes: dict[Hashable, Lane]) -> None:

@@ -152,6 +152,19 @@ HUGE = {"kv_heads": 8, "head_dim": 128, "layers": 32, "num_blocks": 1100}
 HUGE_TOKENS = 8192
 
 
+def huge_pair(engines, transport, mode, seed):
+    """P and D with 256 MiB requests, one warm-up load in ``mode`` done (connections up, so a
+    stop hits a transfer, not a handshake), and the block ids every round of a test reuses."""
+    p = engines("prefill", transport, seed=seed, lease=60, timeout=TIMEOUT, **HUGE)
+    d = engines("decode", transport, seed=seed + 1, timeout=TIMEOUT, **HUGE)
+    warm = publish(p, "warm", seed=3, mode=mode)
+    d_alloc = BlockAllocator(d.layout, 4)
+    d.call(cmd=mode, params=warm, block_ids=d_alloc.request(200))
+    assert d.call(cmd="wait", request_id="warm")["ok"]
+    p_ids = BlockAllocator(p.layout, 5).request(HUGE_TOKENS)
+    return p, d, p_ids, d_alloc.request(HUGE_TOKENS)
+
+
 def stutter_round(stopped, d, transport, rid, window_ms, what):
     """Stop ``stopped`` mid-transfer past the deadline, let it run ``window_ms``, stop it again
     for 3 s, then let it run: D's outcome (D zeroes its buffers the moment it has it, as vLLM
@@ -193,13 +206,7 @@ WINDOWS_MS = (1, 100)
 def test_prefill_stuttering_during_pull(engines, transport):
     """P stops mid-read of 256 MiB, runs for a few ms, stops again for 3 s: D reports only once
     its read is fenced by proof, and not one byte lands in its (reused) blocks after that."""
-    p = engines("prefill", transport, seed=141, lease=60, timeout=TIMEOUT, **HUGE)
-    d = engines("decode", transport, seed=142, timeout=TIMEOUT, **HUGE)
-    warm = publish(p, "warm", seed=3)
-    d_alloc = BlockAllocator(d.layout, 4)
-    d.call(cmd="pull", params=warm, block_ids=d_alloc.request(200))
-    assert d.call(cmd="wait", request_id="warm")["ok"]
-    p_ids, d_ids = BlockAllocator(p.layout, 5).request(HUGE_TOKENS), d_alloc.request(HUGE_TOKENS)
+    p, d, p_ids, d_ids = huge_pair(engines, transport, "pull", seed=141)
     for window_ms in WINDOWS_MS:
         rid = f"stutter-p-{window_ms}"
         params = p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS,
@@ -215,13 +222,7 @@ def test_prefill_stuttering_during_pull(engines, transport):
 def test_decode_stuttering_during_push(engines, transport):
     """D stops mid-write of 256 MiB, runs for a few ms, stops again for 3 s: D reports only on
     P's proven fence, and not one byte lands in its (reused) blocks after that."""
-    p = engines("prefill", transport, seed=151, lease=60, timeout=TIMEOUT, **HUGE)
-    d = engines("decode", transport, seed=152, timeout=TIMEOUT, **HUGE)
-    warm = publish(p, "warm", seed=3, mode="push")
-    d_alloc = BlockAllocator(d.layout, 4)
-    d.call(cmd="push", params=warm, block_ids=d_alloc.request(200))
-    assert d.call(cmd="wait", request_id="warm")["ok"]
-    p_ids, d_ids = BlockAllocator(p.layout, 1).request(HUGE_TOKENS), d_alloc.request(HUGE_TOKENS)
+    p, d, p_ids, d_ids = huge_pair(engines, transport, "push", seed=151)
     for window_ms in WINDOWS_MS:
         rid = f"stutter-d-{window_ms}"
         params = {  # D asks for the push before P has published: P writes as soon as it does

@@ -586,8 +586,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if held:
             self._stats.record_held(held)
             unproven = set(self.plane.unproven)
-            if unproven - self._unproven_seen:
-                self._stats.record_unproven(len(unproven - self._unproven_seen))
+            if new := unproven - self._unproven_seen:
+                self._stats.record_unproven(len(new))
             self._unproven_seen = unproven
         return results
 
