@@ -54,6 +54,7 @@ from kvbridge.core.integrity import Verify, chosen, digest
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
+from kvbridge.core.transpose import received_transposes
 
 if TYPE_CHECKING:
     from kvbridge.control.plane import ControlPlane
@@ -577,7 +578,14 @@ class Loads:
                 why = pending.abort_reason
                 reason = why if not reason or why in reason else f"{why} ({reason})"
             pending.stats.total_s = time.monotonic() - pending.started
-            outcome = RequestOutcome(request_id, ok and not pending.aborted, reason, pending.stats)
+            ok = ok and not pending.aborted
+            outcome = RequestOutcome(request_id, ok, reason, pending.stats)
+            if ok:
+                outcome.transposes = [
+                    t for part in pending.parts.values() if part.remote is not None
+                    for t in received_transposes(part.remote.layout, plane.layout,
+                                                 pending.params.block_ids, pending.block_ids)
+                ]  # fmt: skip
             plane._record(outcome)
         log.debug("request %s: %s %s %s", request_id, "done" if ok else "failed", reason,
                   pending.stats)  # fmt: skip

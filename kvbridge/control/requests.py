@@ -20,6 +20,7 @@ from kvbridge.control.messages import BlockIds
 from kvbridge.core.block_mapping import prepare_block_ids
 from kvbridge.core.errors import KvbridgeError, MessageError
 from kvbridge.core.layout import Layout
+from kvbridge.core.transpose import Transpose
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -127,6 +128,10 @@ class RequestOutcome:
     ok: bool
     reason: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
+    #: D, a load that succeeded from a peer whose blocks keep their cells in the other order
+    #: (token-major against head-major): the blocks this side must permute before the engine
+    #: reads them (``kvbridge.core.transpose``; the vLLM adapter does it in ``get_finished``)
+    transposes: list[Transpose] = field(default_factory=list)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ import weakref
 from kvbridge.core.errors import LayoutMismatchError
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout, Region, RegionKey
+from kvbridge.core.transpose import HEAD_MAJOR, PER_HEAD, is_token_major, received_pair
 
 
 def _bytes_per_block(region: Region, ratio: int) -> int:
@@ -14,18 +15,15 @@ def _bytes_per_block(region: Region, ratio: int) -> int:
 
 
 #: A head-major block, ``[H,N,C]``, is its heads' ``[N,C]`` runs one after the other: a head of
-#: it holds the bytes a per-head tensor holds (same backend split), only placed differently.
-_HEAD_MAJOR, _PER_HEAD = " [H,N,C] ", " per head [N,C] "
-#: A token-major block, ``[N,H,C]``: the same cells, each token's heads together.
-_TOKEN_MAJOR = " [N,H,C] "
+#: it holds the bytes a per-head tensor holds (same backend split), only placed differently. A
+#: token-major block, ``[N,H,C]``, holds the same cells, each token's heads together: it is
+#: transposed on receive (``kvbridge.core.transpose``).
 
 
 def unit_format(block_format: str) -> str:
     """The format of one KV head's bytes in a block: the same for ``[H,N,C]`` and per-head
     ``[N,C]`` layouts of one backend (vLLM's LBHNC/BLHNC and LHBNC/BHLNC)."""
-    parts = (
-        f"{part} ".replace(_HEAD_MAJOR, _PER_HEAD).strip() for part in block_format.split("; ")
-    )
+    parts = (f"{part} ".replace(HEAD_MAJOR, PER_HEAD).strip() for part in block_format.split("; "))
     return "; ".join(sorted(parts))
 
 
@@ -49,6 +47,9 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
     Kernel block sizes may differ (each side maps logical blocks with its own ratio); region
     order, addresses and strides may differ. What must agree is what a token's bytes mean.
     """
+    planned = received_pair(a, b)
+    if planned != (a, b):  # transposed on receive: what must agree is the pair as planned
+        return layout_differences(*planned, names)
     na, nb = names
     diffs: list[str] = []
 
@@ -74,12 +75,14 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
                 "tensors do not say which KV heads they hold (shards); pass the model's KV head "
                 "count to the layout (vLLM: total_num_kv_heads) or use one layout on both"
             )
-        elif fa.replace(_TOKEN_MAJOR, _PER_HEAD) == fb.replace(_TOKEN_MAJOR, _PER_HEAD):
+        elif is_token_major(a) != is_token_major(b):
             why = (
-                "one side keeps each token's heads together, the other each head's tokens: every "
-                "block would be transposed, one run of C bytes per token and head, which kvbridge "
-                "does not do; use head-major layouts on both sides (vLLM's LBHNC, BLHNC, LHBNC, "
-                "BHLNC pair with each other) or token-major ones (LBNHC, BLNHC)"
+                "one side keeps each token's heads together, the other each head's tokens: "
+                "kvbridge transposes such blocks on receive only between equal TP sizes, and "
+                "only where a side's tensors say which KV heads they hold (shards), since a "
+                "head slice of a token-major block is one run per token; use head-major layouts "
+                "on both sides (vLLM's LBHNC, BLHNC, LHBNC, BHLNC) to move between different "
+                "TP sizes"
             )
         else:
             why = (

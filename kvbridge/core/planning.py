@@ -32,6 +32,7 @@ from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
 from kvbridge.core.transport import AddrArray, TransferOp
+from kvbridge.core.transpose import received_pair
 
 BlockIds = Mapping[int, object]
 IdArray = npt.NDArray[np.int64]  # block ids, and addresses before they become uint64
@@ -478,6 +479,8 @@ def plan_transfers(
     """
     if check:
         check_compatible(src, dst, ("source", "destination"))
+    # A token-major side facing a head-major one is planned as head-major (transposed on receive).
+    src, dst = received_pair(src, dst)
     if heads_differ_only(src, dst):
         # Heads stored whole on one side, per head on the other: plan the units both hold.
         from kvbridge.core.tp import restrict_pair  # tp plans with this module

@@ -53,11 +53,13 @@ from kvbridge.adapters.vllm.layout import (
 from kvbridge.adapters.vllm.prom_metrics import KVBridgePromMetrics
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
+from kvbridge.adapters.vllm.transpose import transpose_received
 from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.control.requests import RankAddress, rank_engine_id
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport, load_transport_class
+from kvbridge.core.transpose import Transpose
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -391,6 +393,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         self.scheduler: SchedulerState | None = None
         self.plane: ControlPlane | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
         self._sending: set[str] = set()
         self._recving: dict[str, str] = {}  # P's request id (the plane's key) → D's request id
         self._early: list[str] = []  # publishes that failed: report their blocks free at once
@@ -478,6 +481,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         total_heads = None
         if model is not None and not getattr(model, "use_mla", False):
             total_heads = int(model.get_total_num_kv_heads())
+        self._kv_caches = kv_caches
         spec = build_layout_spec(
             self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size,
             engine_layout=engine_layout, total_num_kv_heads=total_heads,
@@ -571,7 +575,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                     self._stats.record_lease_expiry()
             elif rid in self._recving:
                 local = self._recving.pop(rid)
-                if outcome.ok:
+                if outcome.ok and not self._transpose(local, outcome.transposes):
+                    failed.add(local)
+                elif outcome.ok:
                     log.debug("kvbridge: load of %s done", local)
                     results.finished_recving.add(local)
                     self._stats.record(outcome.stats)
@@ -590,6 +596,19 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self._stats.record_unproven(len(new))
             self._unproven_seen = unproven
         return results
+
+    def _transpose(self, request_id: str, transposes: list[Transpose]) -> bool:
+        """Permute blocks that landed in P's order (P token-major, D head-major or the other
+        way round) before vLLM reads them; ``False``: it failed, the load counts as failed."""
+        if not transposes:
+            return True
+        groups = [g.layer_names for g in self._kv_cache_config.kv_cache_groups]
+        try:
+            transpose_received(self._kv_caches, groups, transposes)
+        except Exception as err:  # the blocks hold P's order: recompute them
+            log.error("kvbridge: load of %s: transposing its blocks failed: %s", request_id, err)
+            return False
+        return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -77,9 +77,12 @@ def sliding_spec(window: int = 128) -> SlidingWindowSpec:
     )
 
 
-def allocate(config: KVCacheConfig, kernels: list[int]) -> dict[str, torch.Tensor]:
-    """The per-layer views vLLM's model runner registers with a connector."""
-    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, kernels)
+def allocate(
+    config: KVCacheConfig, kernels: list[int], layout: str = "LBHNC"
+) -> dict[str, torch.Tensor]:
+    """The per-layer views vLLM's model runner registers with a connector (vLLM's own
+    allocation, in one of its physical layouts)."""
+    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout], kernels)
 
 
 def make_request(

@@ -15,7 +15,7 @@ from vllm.v1.request import RequestStatus
 from kvbridge.adapters.vllm.connector import KVBridgeConnector, KVBridgeMetadata
 from kvbridge.adapters.vllm.plugin import register, transport_connector
 from kvbridge.core.registry import available_transports
-from tests.adapters.vllm.conftest import allocate, blocks_of, hybrid_config, make_request
+from tests.adapters.vllm.conftest import BLOCK, allocate, blocks_of, hybrid_config, make_request
 
 if not any(t.name == "mooncake" and t.usable for t in available_transports()):
     pytest.skip("the mooncake transport is not usable here", allow_module_level=True)
@@ -39,12 +39,14 @@ def _config(engine_id: str, role: str, port: int, host: str) -> SimpleNamespace:
     )
 
 
-def _pair(engine_id: str, role: str, host: str = "127.0.0.1"):
-    config, kernels = hybrid_config(kernel=32)
+def _pair(
+    engine_id: str, role: str, host: str = "127.0.0.1", layout: str = "LBHNC", kernel: int = 32
+):
+    config, kernels = hybrid_config(kernel=kernel)
     vcfg = _config(engine_id, role, _port(), host)
     sched = KVBridgeConnector(vcfg, KVConnectorRole.SCHEDULER, config)
     worker = KVBridgeConnector(vcfg, KVConnectorRole.WORKER, config)
-    caches = allocate(config, kernels)
+    caches = allocate(config, kernels, layout)
     worker.register_kv_caches(caches)
     return sched, worker, caches
 
@@ -122,6 +124,60 @@ def test_hybrid_pull_moves_the_right_bytes() -> None:
         assert reduced["transfers"] == 1 and reduced["failed"] == 0
         assert reduced["descriptors"] >= 1 and reduced["MiB"] == round(moved / 2**20, 3)
         assert d_worker.get_kv_connector_stats() is None
+    finally:
+        p_worker.shutdown()
+        d_worker.shutdown()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "kernel"),
+    # vLLM splits 64-token blocks into kernel blocks only under LBHNC and LBNHC, and allocates
+    # this hybrid's shared pages in no per-head layout (test_layout_matrix moves those through
+    # vLLM's views)
+    [("LBNHC", "LBHNC", 32), ("BLHNC", "BLNHC", 64)],
+)
+def test_token_major_and_head_major_sides_meet_transposed_on_receive(
+    p_layout: str, d_layout: str, kernel: int
+) -> None:
+    """P and D on layouts whose blocks keep their cells in the other order (another attention
+    backend or GPU): pulled and pushed over Mooncake, D's blocks read through vLLM's own views
+    equal P's, cell for cell, and D's blocks outside the request are untouched."""
+    p_sched, p_worker, p_caches = _pair("prefill-t", "kv_producer", layout=p_layout, kernel=kernel)
+    d_sched, d_worker, d_caches = _pair("decode-t", "kv_consumer", layout=d_layout, kernel=kernel)
+    r = BLOCK // kernel  # kernel blocks per block
+    try:
+        raw = torch.empty(0, dtype=torch.uint8).set_(p_caches["a0"].untyped_storage())
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+        for n, (mode, p_ids, d_ids) in enumerate(
+            (("pull", [3, 4, 5], [10, 11, 12]), ("push", [6, 2, 9], [13, 1, 15]))
+        ):
+            params = {"do_remote_decode": True, "kvbridge_mode": mode}
+            req = make_request(f"r{n}", 130, params)
+            p_sched.on_new_request(req)
+            req.num_computed_tokens = req.num_prompt_tokens
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            _, d_params = p_sched.request_finished_all_groups(req, (p_ids, [0, 0, 7]))
+            _step(p_sched, p_worker)
+            dreq = make_request(f"d{n}", 130, d_params)
+            assert d_sched.get_num_new_matched_tokens(dreq, 0) == (129, True)
+            d_sched.update_state_after_alloc(dreq, blocks_of([d_ids, [0, 0, 8]]), 129)
+            _step(d_sched, d_worker)
+            res = _results(d_worker, f"d{n}")
+            assert res.failed_recving == set(), mode
+            _results(p_worker, f"r{n}")
+            for layer in ("a0", "a1"):
+                p_kv, d_kv = p_caches[layer], d_caches[layer]  # [kernel blocks, H, N, C]
+                for p_b, d_b in zip(p_ids, d_ids, strict=True):
+                    assert _same_bytes(p_kv[r * p_b : r * p_b + r], d_kv[r * d_b : r * d_b + r]), (
+                        f"{mode}: {layer} D block {d_b} differs from P block {p_b}"
+                    )
+            for layer in ("m0", "m1"):
+                assert _same_bytes(p_caches[layer][7], d_caches[layer][8])
+        # Nothing else of D's attention was written (state slot 8 overlays block 8).
+        written = {r * b + k for b in (1, 8, 10, 11, 12, 13, 15) for k in range(r)}
+        untouched = [k for k in range(r * 16) if k not in written]
+        assert not d_caches["a0"][untouched].contiguous().view(torch.int16).any()
     finally:
         p_worker.shutdown()
         d_worker.shutdown()

@@ -23,8 +23,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (see the README: vLLM 
 import torch
 
 from kvbridge.adapters.vllm.layout import build_layout_spec
+from kvbridge.adapters.vllm.transpose import transpose_received
 from kvbridge.core import Layout, TransferPlan, check_compatible, plan_transfers
 from kvbridge.core.errors import LayoutError
+from kvbridge.core.transpose import received_transposes
 from tests.adapters.vllm.vllm_caches import (
     BLOCK_SIZE,
     KINDS,
@@ -176,6 +178,18 @@ def byte_runs(p: VllmCaches, d: VllmCaches, moved: list[tuple[str, int, int]]) -
     return ByteRuns(np.concatenate(src), np.concatenate(dst), np.concatenate(length))
 
 
+def memory_order_runs(p: VllmCaches, d: VllmCaches, moved: list[tuple[str, int, int]]) -> ByteRuns:
+    """A transpose on receive: each moved block's bytes in P's memory order land in D's block in
+    D's memory order (its heads' runs one after the other), element by element."""
+    src, dst, length = [], [], []
+    for layer, a, b in moved:
+        pb, db = p.block(layer, a), d.block(layer, b)
+        src.append(np.sort(element_addresses(pb)))
+        dst.append(np.sort(element_addresses(db)))
+        length.append(np.full(pb.numel(), pb.element_size(), dtype=np.int64))
+    return ByteRuns(np.concatenate(src), np.concatenate(dst), np.concatenate(length))
+
+
 def apply_plan(plan: TransferPlan, p: VllmCaches, d: VllmCaches) -> None:
     """Copy every descriptor, after checking it stays inside both buffers (through the flat
     buffers, so the same code copies in host memory and in VRAM)."""
@@ -233,10 +247,13 @@ def transfer_and_check(p: VllmCaches, d: VllmCaches, *, minimal: bool) -> Transf
         "kvbridge accepted caches whose vLLM groups differ"
     )
     moved = moved_blocks(p, p_ids, d_ids)
-    runs = byte_runs(p, d, moved)
+    transposes = received_transposes(p_layout, d_layout, p_ids, d_ids)
+    runs = memory_order_runs(p, d, moved) if transposes else byte_runs(p, d, moved)
     expected = expected_destination(p, d, moved)
     p_before = p.buffer.clone()
     apply_plan(plan, p, d)
+    layers = [g.layer_names for g in d.config.kv_cache_groups]
+    transpose_received(d.views, layers, transposes)
 
     for layer, a, b in moved:
         assert same_bytes(d.block(layer, b), p.block(layer, a)), (
@@ -283,17 +300,16 @@ def test_every_pair_of_layouts_moves_exactly_or_is_refused_with_its_reason(
         return
     p_spec = Layout(build_layout_spec(p.config, p.views))
     d_spec = Layout(build_layout_spec(d.config, d.views))
-    transposed = kind != "mla" and (p_layout in TOKEN_MAJOR) != (d_layout in TOKEN_MAJOR)
-    if transposed:
-        with pytest.raises(LayoutError, match="every block would be transposed"):
-            check_compatible(p_spec, d_spec)
-        return
     try:
         check_compatible(p_spec, d_spec)
     except LayoutError as err:
         assert "block format" not in str(err), err
         return
-    transfer_and_check(p, d, minimal=True)
+    plan = transfer_and_check(p, d, minimal=True)
+    assert plan is not None
+    transposed = kind != "mla" and (p_layout in TOKEN_MAJOR) != (d_layout in TOKEN_MAJOR)
+    ids = request_block_ids(p, seed=1), request_block_ids(d, seed=2)
+    assert bool(received_transposes(p_spec, d_spec, *ids)) == transposed
 
 
 BUILDER_CASES = [
