@@ -23,6 +23,7 @@ from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.registry import available_transports, load_transport_class
 from kvbridge.core.transport import TransferOp
+from kvbridge.core.transpose import received_transposes
 from kvbridge.model_shapes import SHAPES
 
 
@@ -129,6 +130,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     start = time.perf_counter()
     plan_transfers(prefill, decode, blocks.prefill, blocks.decode, merge=not args.no_merge)
     elapsed = time.perf_counter() - start
+    transposes = received_transposes(prefill, decode, blocks.prefill, blocks.decode)
     if args.json:
         local, remote, lengths = plan.local_remote(op)
         doc: dict[str, Any] = {
@@ -138,6 +140,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
             "descriptors": plan.count,
             "bytes": plan.nbytes,
             "groups": [{**g.__dict__, "kind": g.kind.value} for g in plan.groups],
+            # kernel blocks decode permutes after the transfer, per group (token- vs head-major)
+            "transposed_on_receive": {
+                str(t.group_index): int(t.kernel_block_ids.size) for t in transposes
+            },
             "local": local.tolist(),
             "remote": remote.tolist(),
             "length": lengths.tolist(),
@@ -147,6 +153,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     side = "decode reads from prefill" if op is TransferOp.READ else "prefill writes to decode"
     console.print(_plan_table(plan, f"transfer plan ({side})"))
     console.print(_plan_summary(plan, elapsed), soft_wrap=True)
+    for t in transposes:
+        order = "[N,H,C] into its heads" if t.to_head_major else "[H,N,C] into [N,H,C]"
+        console.print(
+            f"group {t.group_index}: decode transposes {t.kernel_block_ids.size} kernel blocks "
+            f"after the transfer (prefill's {order})",
+            soft_wrap=True,
+        )
     return 0
 
 

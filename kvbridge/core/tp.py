@@ -35,7 +35,7 @@ from kvbridge.core.errors import BlockIdError, LayoutError, LayoutMismatchError
 from kvbridge.core.groups import CacheGroup
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Shard, expand_tensor
 from kvbridge.core.planning import BlockIds, TransferPlan, plan_transfers
-from kvbridge.core.transpose import received_pair
+from kvbridge.core.transpose import is_token_major, received_pair
 
 #: ``(layer_name, tensor, axis)``: one axis of one tensor; axis ``""`` for a tensor without shards.
 UnitKey = tuple[str, str, str]
@@ -176,6 +176,8 @@ def _sources_of(
 
 def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
     src, dst = received_pair(src, dst)  # a token-major side facing a head-major one
+    if is_token_major(src) != is_token_major(dst):  # not transposable (across TP sizes)
+        raise LayoutMismatchError(layout_differences(src, dst, ("source", "destination")))
     _check_sharded(src, dst)
     if (
         src.spec.tp_size == dst.spec.tp_size

@@ -17,7 +17,9 @@ per head ``[N,C]``) and how the backend reads ``C`` (``split``) form the layout'
 ``block_format``. LBHNC and BLHNC (or LBNHC and BLNHC) differ only in where a layer's block
 sits, so they pair; ``[H,N,C]`` and per-head ``[N,C]`` formats (LBHNC/BLHNC and LHBNC/BHLNC)
 hold each head's bytes as one run, so the unit planner moves them head by head
-(``kvbridge.core.compat.heads_differ_only``); a head-major and a token-major side are refused.
+(``kvbridge.core.compat.heads_differ_only``); a head-major and a token-major side of equal TP
+size move in the source's order and the destination permutes the received blocks
+(``kvbridge.core.transpose``, ``kvbridge.adapters.vllm.transpose``).
 
 How ``C`` divides into K and V is the attention backend's business. vLLM's CPU backend reads a
 head's slice of a kernel block ``[N, C]`` as K for its N tokens, then V for them (``[2, N, D]``,

@@ -2,15 +2,17 @@
 
 For each layout x model kind x kernel ratio, vLLM's own code builds a prefill (P) and a decode
 (D) cache; kvbridge plans moving fragmented block ids from P to D; the plan is applied with
-``memmove`` and checked through vLLM's views alone: every moved logical block of D equals P's,
-no other byte of D changed, and the descriptor count is the number of maximal runs contiguous on
-both sides, computed here from element addresses without kvbridge. Combinations vLLM itself
-refuses are checked to be refused by vLLM; the combinations where vLLM's block ids alias across
-cache groups are checked to be refused by kvbridge.
+``memmove`` (then, between a token-major and a head-major side, D's received blocks permuted)
+and checked through vLLM's views alone: every moved logical block of D equals P's, no other
+byte of D changed, and the descriptor count is the number of maximal runs contiguous on both
+sides, computed here from element addresses without kvbridge. Combinations vLLM itself refuses
+are checked to be refused by vLLM; the combinations where vLLM's block ids alias across cache
+groups are checked to be refused by kvbridge.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -53,8 +55,8 @@ CASES = [
     for ratio in RATIOS
 ]
 #: Layouts whose kernel blocks keep each head's tokens together (whole, or one region per head)
-#: and those that keep each token's heads together: a pair across the two needs every block
-#: transposed, which kvbridge refuses, naming it; within a family every pair moves exactly.
+#: and those that keep each token's heads together: a pair across the two moves in P's order and
+#: D transposes the received blocks; within a family every pair moves exactly as it lies.
 HEAD_MAJOR = {"LBHNC", "BLHNC", "LHBNC", "BHLNC"}
 TOKEN_MAJOR = {"LBNHC", "BLNHC"}
 MIXED_CASES = [
@@ -291,9 +293,10 @@ def test_every_pair_of_layouts_moves_exactly_or_is_refused_with_its_reason(
 ) -> None:
     """P and D on different layouts (another attention backend or GPU generation): pairs whose
     blocks hold the same heads' tokens in another place move exactly, at the minimum descriptor
-    count of the pair (each side's own strides); pairs that would need every block transposed
-    are refused, saying so. Other refusals (vLLM's own, aliasing block ids, groups that differ)
-    are not about the block format."""
+    count of the pair (each side's own strides); a token-major and a head-major side move P's
+    bytes in P's order into D's blocks at the minimum for that placement, and D's permute makes
+    every block read through vLLM's views equal P's. No pair is refused for its block format
+    (other refusals: vLLM's own, aliasing block ids, groups that differ)."""
     p = _build(kind, p_layout, ratio)
     d = _build(kind, d_layout, ratio)
     if p is None or d is None or {(p_layout, kind), (d_layout, kind)} & ALIASING:
@@ -370,3 +373,25 @@ def test_every_layout_in_vram_is_exact_and_minimal() -> None:
                 if p is None or d is None or (layout, kind) in ALIASING:
                     continue
                 transfer_and_check(p, d, minimal=True)
+
+
+def test_plan_command_names_the_transpose_on_receive(tmp_path, capsys) -> None:
+    """``kvbridge plan`` for a token-major P and a per-head D: the plan, and which kernel blocks
+    D permutes after it (text and JSON)."""
+    from kvbridge.cli import main
+
+    p, d = build_caches("attention", "LBNHC", 1), build_caches("attention", "LHBNC", 1)
+    p_ids, d_ids = request_block_ids(p, seed=1), request_block_ids(d, seed=2)
+    files = []
+    for name, caches in (("prefill", p), ("decode", d)):
+        path = tmp_path / f"{name}.json"
+        path.write_bytes(Layout(build_layout_spec(caches.config, caches.views)).to_json())
+        files.append(str(path))
+    blocks = tmp_path / "blocks.json"
+    blocks.write_text(json.dumps({"prefill": p_ids, "decode": d_ids}))
+    assert main(["plan", *files, str(blocks)]) == 0
+    moved = sum(len([b for b in ids if b]) for ids in d_ids.values())
+    assert f"decode transposes {moved} kernel blocks" in capsys.readouterr().out
+    assert main(["plan", *files, str(blocks), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sum(doc["transposed_on_receive"].values()) == moved

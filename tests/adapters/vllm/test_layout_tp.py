@@ -472,6 +472,22 @@ def test_token_major_layouts_are_refused_across_tp(
     assert HEAD_MAJOR_MESSAGE in str(err.value)
 
 
+@pytest.mark.parametrize(("p_layout", "d_layout"), [("LBNHC", "LBHNC"), ("LHBNC", "BLNHC")])
+@pytest.mark.parametrize(("tp", "td"), [(1, 2), (2, 1)])
+def test_token_major_against_head_major_is_refused_across_tp(
+    p_layout: str, d_layout: str, tp: int, td: int
+) -> None:
+    """Transposed on receive only between equal TP sizes: across them the refusal says why and
+    names the head-major layouts."""
+    ps = [build_rank("attn4", p_layout, tp, 1) for _ in range(tp)]
+    d = build_rank("attn4", d_layout, td, 1)
+    p_layouts = [layout_of(c, tp, r) for r, c in enumerate(ps)]
+    p_ids, d_ids = request_block_ids(ps[0], seed=1), request_block_ids(d, seed=2)
+    with pytest.raises(LayoutError, match="only between equal TP sizes") as err:
+        plan_tp_transfers(p_layouts, layout_of(d, td, 0), p_ids, d_ids)
+    assert "LBHNC, BLHNC, LHBNC, BHLNC" in str(err.value)
+
+
 def test_without_total_heads_a_single_replicated_head_carries_no_shards() -> None:
     """At TP 4 a rank of a 2-head model holds 1 head, which could be any replica: without the
     model's count the layer carries no shards (moves only between equal TP sizes)."""
