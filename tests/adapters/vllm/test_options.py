@@ -306,6 +306,37 @@ def test_the_connector_takes_tensor_parallelism_and_refuses_pipeline_stages() ->
         KVBridgeConnector(config, KVConnectorRole.SCHEDULER, _no_groups())
 
 
+def test_sleep_mode_is_refused_at_start_in_one_line() -> None:
+    """Sleeping remaps the KV cache under the transport's registration: vLLM 0.33 asks the
+    connector (``supports_sleep_mode``) and refuses with its own line; on any version the
+    connector refuses too, before a worker registers anything."""
+    from types import SimpleNamespace
+
+    from kvbridge.adapters.vllm.connector import SLEEP_MODE_REFUSED
+
+    register()
+    ktc = KVTransferConfig(
+        kv_connector="KVBridgeConnector", kv_role="kv_consumer", engine_id="e",
+        kv_connector_extra_config={"transport": "mooncake", "port": 6100},
+    )  # fmt: skip
+    assert KVBridgeConnector.supports_sleep_mode(ktc) is False
+    config = VllmConfig(kv_transfer_config=ktc)
+    config.model_config = SimpleNamespace(enable_sleep_mode=True, use_mla=False)  # type: ignore[assignment]
+    for start in (
+        lambda: KVBridgeConnector.get_required_kvcache_layout(config),
+        lambda: KVBridgeConnector(config, KVConnectorRole.WORKER, _no_groups()),
+    ):
+        with pytest.raises(ValueError) as err:
+            start()
+        assert str(err.value) == SLEEP_MODE_REFUSED and "\n" not in str(err.value)
+    import vllm
+
+    if tuple(int(p) for p in vllm.__version__.split(".")[:2]) >= (0, 33):
+        # vLLM's own check, through its connector factory (0.32 has none)
+        with pytest.raises(ValueError, match="KVBridgeConnector does not support sleep mode"):
+            config._verify_kv_transfer_compat()
+
+
 def _no_groups():  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 

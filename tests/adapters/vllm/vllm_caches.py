@@ -32,7 +32,6 @@ import numpy.typing as npt
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -44,6 +43,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvbridge.adapters.vllm.versions import get_kv_cache_config_from_groups, get_kv_cache_groups
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24
