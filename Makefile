@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvbridge-installed
-EXTRAS ?= dev,mooncake,proxy
+EXTRAS ?= dev,mooncake,proxy,router
 # NIXL's wheels require torch, which an extra cannot skip: --no-deps keeps 6 GB of torch and CUDA
 # wheels off a CPU machine (the engine itself does not import torch). On a host whose torch is
 # built for CUDA 13, use nixl-cu13==1.5.1 instead of nixl-cu12; with torch present, the `nixl`

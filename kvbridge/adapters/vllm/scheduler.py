@@ -115,6 +115,8 @@ class SchedulerState:
         self._plan = StepPlan()
         #: P: request ids published and not yet reported freed by the worker.
         self.sending: set[str] = set()
+        #: D: requests marked for a remote prefill without kvbridge's parameters (prefilled here)
+        self.foreign_params = 0
 
     # -- P: prompt truncation ---------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -145,12 +147,28 @@ class SchedulerState:
             return 0, False
         remote = _remote_params(params)
         if remote is None:
+            self._foreign_params(request, params)
             return 0, False
         prompt_len = len(request.prompt_token_ids or ())
         count = remote_prefill_token_count(prompt_len, self.has_state, num_computed_tokens)
         # Never ask for more than P computed (a P configured differently, or a shorter prompt).
         count = min(count, max(0, remote.num_tokens - num_computed_tokens))
         return count, count > 0
+
+    def _foreign_params(self, request: Any, params: dict[str, Any]) -> None:
+        """A request marked for a remote prefill whose parameters are not kvbridge's: D
+        prefills all of it. Said once per request (vLLM asks again each step it waits), with a
+        count: a router that writes parameters of its own (vllm-router's ``mooncake`` mode) or
+        a P served by another connector would otherwise cost every prompt's prefill unseen."""
+        params[PROCESSED_KEY] = True
+        self.foreign_params += 1
+        log.error(
+            "request %s: kv_transfer_params ask for a remote prefill but carry no kvbridge "
+            "parameters (keys %s): decode prefills the whole prompt itself (%d such requests "
+            "since start); route requests so that decode gets prefill's kv_transfer_params as "
+            "prefill returned them (vllm-router's default nixl P/D mode does)",
+            request.request_id, sorted(params), self.foreign_params,
+        )  # fmt: skip
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int

@@ -119,3 +119,20 @@ def test_p_request_may_choose_its_mode() -> None:
         _, params = sched.request_finished(req, ([3], [7]))
         assert params is not None and params[PARAMS_KEY]["mode"] == want, rid
         assert [p.mode for p in sched.build_step().publishes] == [want]
+
+
+def test_d_logs_and_counts_a_remote_prefill_without_kvbridge_parameters(caplog) -> None:
+    """A router that writes its own parameters (vllm-router's mooncake mode: remote host, port
+    and engine id, no ``kvbridge`` key): D prefills itself, says so once per request, counts."""
+    sched = state(DENSE)
+    foreign = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "10.0.0.1",
+               "remote_port": 8998, "remote_block_ids": None}  # fmt: skip
+    req = make_request("d1", 130, foreign)
+    with caplog.at_level("ERROR", logger="kvbridge.vllm"):
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: said once
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "carry no kvbridge parameters" in lines[0], lines
+    assert "(1 such requests since start)" in lines[0] and sched.foreign_params == 1
+    sched.update_state_after_alloc(req, blocks_of([[3, 4, 5]]), 0)
+    assert not sched.build_step()  # nothing to load, nothing to release

@@ -52,6 +52,8 @@ def _write_tokenizer(path: Path, vocab_size: int) -> None:
                 "model_max_length": 4096,
                 "add_bos_token": False,
                 "add_eos_token": False,
+                # Chat requests: each message's words, one after the other.
+                "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
             }
         )
     )

@@ -203,6 +203,29 @@ def query_stream(client: Any, ids: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+#: Chat requests through the front (text, streamed), each a prompt of its own so that D's prefix
+#: cache holds none of it and loads it from P.
+CHATS = tuple(
+    (" ".join(f"w{(7 * n + 3 * i) % 97 + 10}" for i in range(40 + 25 * n)), n == 1)
+    for n in range(2)
+)
+
+
+def query_chat(client: Any, text: str, max_tokens: int, *, stream: bool) -> str:
+    """One greedy chat completion: its content (all chunks' deltas when streamed)."""
+    kwargs: dict[str, Any] = {
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    if not stream:
+        return str(client.chat.completions.create(**kwargs).choices[0].message.content)
+    parts = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+    return "".join(parts)
+
+
 def control(
     p_url: str, d_url: str, ids: list[int], other: list[int], max_tokens: int
 ) -> dict[str, Any]:
@@ -246,7 +269,12 @@ def transfer_stats(log: Path, want: int, wait: float = 15.0) -> dict[str, float]
 
 
 def start_pair(
-    ref: Reference, transport: str, mode: str, work: Path, hosts: tuple[Host, Host] | None
+    ref: Reference,
+    transport: str,
+    mode: str,
+    work: Path,
+    hosts: tuple[Host, Host] | None,
+    router: str = "kvbridge-proxy",
 ) -> tuple[list[Server], dict[str, str]]:
     """P, D and the proxy through ``examples/deploy``: the servers and the URLs to reach them.
 
@@ -267,7 +295,8 @@ def start_pair(
         env = _env(
             None, **deploy, LOG_DIR=str(work), PREFILL_CPUS=CORE_P, DECODE_CPUS=CORE_D,
             PREFILL_PORT=str(http_p), DECODE_PORT=str(http_d), PROXY_PORT=str(http_proxy),
-            PREFILL_SIDE_PORT=str(side_p), DECODE_SIDE_PORT=str(side_d),
+            PREFILL_SIDE_PORT=str(side_p), DECODE_SIDE_PORT=str(side_d), ROUTER=router,
+            VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
         )  # fmt: skip
         argv = ["bash", str(DEPLOY / "one-host.sh"), *args]
         servers = [Server("one-host", argv, work / "proxy.log", env)]
@@ -306,6 +335,7 @@ def run_serve(
     max_tokens: int = 32,
     work_dir: str | Path | None = None,
     hosts: tuple[Host, Host] | None = None,
+    router: str = "kvbridge-proxy",
     log: Any = print,
 ) -> dict[str, Any]:
     """P, D and the proxy as deployed by ``examples/deploy``, ``ref``'s prompts via the OpenAI
@@ -334,12 +364,13 @@ def run_serve(
 
     try:
         t0 = time.perf_counter()
-        servers, urls = start_pair(ref, transport, mode, work, hosts)
+        servers, urls = start_pair(ref, transport, mode, work, hosts, router)
         deadline = time.perf_counter() + START_DEADLINE_S
-        # The proxy's /health answers 200 once P's and D's do: the whole deployment is up.
-        wait_healthy(servers, urls["proxy"] + "/health", deadline)
+        # The proxy's /health answers 200 once P's and D's do; vllm-router's as soon as it runs.
+        for name in ("prefill", "decode", "proxy"):
+            wait_healthy(servers, urls[name] + "/health", deadline)
         timings["servers_ready_s"] = time.perf_counter() - t0
-        log(f"P, D and the proxy ready in {timings['servers_ready_s']:.1f} s at {urls['proxy']}")
+        log(f"P, D and the {router} ready in {timings['servers_ready_s']:.1f} s at {urls['proxy']}")
 
         client = client_of(urls["proxy"])
         model_ids = [m.id for m in client.models.list()]
@@ -359,10 +390,18 @@ def run_serve(
                 log(f"  D:   {out['token_ids']}\n  ref: {ref.tokens[i]}")
         streamed = query_stream(client, ps[0], max_tokens)
         log(f"streamed prompt 0: match={streamed == ref.tokens[0]}")
+        chats = []
+        for n, (text, stream) in enumerate(CHATS):
+            # The reference: the same chat on P alone (no kv_transfer_params: a single instance).
+            alone = query_chat(client_of(urls["prefill"]), text, max_tokens, stream=False)
+            routed = query_chat(client, text, max_tokens, stream=stream)
+            chats.append({"chat": n, "stream": stream, "match": bool(alone) and routed == alone,
+                          "routed": routed, "alone": alone})  # fmt: skip
+            log(f"chat {n} (stream={stream}): match={routed == alone}")
         ctl = control(urls["prefill"], urls["decode"], ps[0], other, max_tokens)
         loaded = ctl["d_tokens"] == ref.tokens[0] and ref.control_tokens != ref.tokens[0]
         log(f"control (prompt 0's KV, other tokens): D used P's KV = {loaded}")
-        stats = transfer_stats(logs["decode"], len(ps) + 2)
+        stats = transfer_stats(logs["decode"], len(ps) + 2 + len(CHATS))
         log(f"D's connector stats, summed over vLLM's log lines: {stats}")
     except (Exception, KeyboardInterrupt) as exc:
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
@@ -378,8 +417,12 @@ def run_serve(
         "dtype": ref.case.dtype,
         "results": results,
         "stream_match": streamed == ref.tokens[0],
+        "router": router,
+        "chats": chats,
         "control": {"loaded": loaded, "d_tokens": ctl["d_tokens"], "as_prompt0": as_prompt0},
-        "p_params_seen": all(r["remote_engine_id"] for r in results),
+        # kvbridge's proxy says in headers that P returned kv_transfer_params (vllm-router says
+        # nothing: D's stats show the loads)
+        "p_params_seen": router != "kvbridge-proxy" or all(r["remote_engine_id"] for r in results),
         "stats": stats,
         "timings": timings,
         "work_dir": str(work),
@@ -387,7 +430,7 @@ def run_serve(
     }
     summary["ok"] = (
         bool(results) and all(r["match"] for r in results) and summary["stream_match"]
-        and loaded and summary["p_params_seen"] and stats["transfers"] >= len(ps)
+        and all(c["match"] for c in chats) and loaded and summary["p_params_seen"] and stats["transfers"] >= len(ps)
         and stats["failed"] == 0
     )  # fmt: skip
     if summary["ok"] and work_dir is None:

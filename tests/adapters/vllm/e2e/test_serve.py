@@ -1,5 +1,6 @@
-"""P → D as users deploy it: the launch scripts of ``examples/deploy``, kvbridge's proxy and the
-OpenAI client, on one host and on two (two network namespaces joined by a veth).
+"""P → D as users deploy it: the launch scripts of ``examples/deploy``, vllm-router (one host,
+every transport) or kvbridge's proxy (two hosts: two network namespaces joined by a veth), and
+the OpenAI client.
 
 Marked ``e2e`` (run by ``make test`` with ``KVBRIDGE_E2E=1``): two servers start, a few minutes.
 """
@@ -30,6 +31,8 @@ def check(summary: dict[str, Any]) -> None:
     assert not bad, f"D differs from the single instance: {bad}\n{logs}"
     assert summary["p_params_seen"], f"P returned no kv_transfer_params: {summary['results']}"
     assert summary["stream_match"], f"the streamed answer differs from the reference\n{logs}"
+    bad_chats = [c for c in summary["chats"] if not c["match"]]
+    assert not bad_chats, f"chat answers differ from P's alone: {bad_chats}\n{logs}"
     assert summary["control"]["loaded"], f"D did not decode over P's KV: {summary['control']}"
     # vLLM logged our stats hook's numbers: every answered request loaded from P, none failed.
     stats = summary["stats"]
@@ -38,12 +41,21 @@ def check(summary: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_served_pd_through_proxy_matches_single_instance(
-    reference: Callable[[str], Reference], tmp_path: Path
+@pytest.mark.parametrize(
+    ("transport", "mode"), [("mooncake", "pull"), ("nixl", "push"), ("cma", "pull")]
+)
+def test_served_pd_behind_vllm_router_matches_single_instance(
+    reference: Callable[[str], Reference], tmp_path: Path, transport: str, mode: str
 ) -> None:
+    """``one-host.sh`` with its default front, vllm-router in its P/D mode (the PyPI binary):
+    completions and chat, streamed and not, answer as a single instance, every one from P's
+    KV (D's connector stats), with the mode P is configured with."""
     from tests.adapters.vllm.e2e.serve_pd import run_serve
 
-    check(run_serve(reference("llama"), transport="mooncake", mode="pull", work_dir=tmp_path))
+    summary = run_serve(reference("llama"), transport=transport, mode=mode, work_dir=tmp_path,
+                        router="vllm-router")  # fmt: skip
+    check(summary)
+    assert summary["stats"]["transfers"] >= len(summary["results"]) + 2 + len(summary["chats"])
 
 
 @pytest.fixture
