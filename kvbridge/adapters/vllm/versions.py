@@ -12,7 +12,7 @@ from typing import Any
 def kv_cache_planning() -> Any:
     """The module holding ``get_kv_cache_groups`` and ``get_kv_cache_config_from_groups``."""
     try:
-        from vllm.v1.core import kv_cache_planning as module  # vLLM >= 0.33
+        from vllm.v1.core import kv_cache_planning as module  # type: ignore[attr-defined]  # 0.33
     except ImportError:
         from vllm.v1.core import kv_cache_utils as module  # vLLM 0.32
     return module
