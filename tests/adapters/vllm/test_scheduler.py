@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from vllm.v1.request import RequestStatus
 
 from kvbridge.adapters.vllm.scheduler import MODE_KEY, PARAMS_KEY, GroupInfo, SchedulerState
@@ -121,17 +123,26 @@ def test_p_request_may_choose_its_mode() -> None:
         assert [p.mode for p in sched.build_step().publishes] == [want]
 
 
-def test_d_logs_and_counts_a_remote_prefill_without_kvbridge_parameters(caplog) -> None:
+def test_d_logs_and_counts_a_remote_prefill_without_kvbridge_parameters() -> None:
     """A router that writes its own parameters (vllm-router's mooncake mode: remote host, port
     and engine id, no ``kvbridge`` key): D prefills itself, says so once per request, counts."""
     sched = state(DENSE)
     foreign = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "10.0.0.1",
                "remote_port": 8998, "remote_block_ids": None}  # fmt: skip
     req = make_request("d1", 130, foreign)
-    with caplog.at_level("ERROR", logger="kvbridge.vllm"):
+    # A handler on the scheduler's own logger sees each record once, wherever the kvbridge
+    # logger forwards it (vLLM's handlers once the plugin has run, in this process or not).
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("kvbridge.vllm")
+    logger.addHandler(handler)
+    try:
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: said once
-    lines = [r.getMessage() for r in caplog.records]
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records]
     assert len(lines) == 1 and "carry no kvbridge parameters" in lines[0], lines
     assert "(1 such requests since start)" in lines[0] and sched.foreign_params == 1
     sched.update_state_after_alloc(req, blocks_of([[3, 4, 5]]), 0)
