@@ -44,8 +44,10 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvbridge.adapters.vllm.layout import build_layout_spec
+from kvbridge.adapters.vllm.transpose import transpose_received
 from kvbridge.core import Layout, LayoutError, LayoutSpec, check_compatible, plan_transfers
 from kvbridge.core.tp import contact_ranks, plan_tp_reads, plan_tp_transfers
+from kvbridge.core.transpose import received_transposes
 from tests.adapters.vllm.test_layout_matrix import (
     ByteRuns,
     IdMap,
@@ -470,6 +472,45 @@ def test_token_major_layouts_are_refused_across_tp(
     with pytest.raises(LayoutError, match=r"heads interleaved per token") as err:
         plan_tp_transfers(p_layouts, layout_of(d, td, 0), p_ids, d_ids)
     assert HEAD_MAJOR_MESSAGE in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout"),
+    [("LBNHC", "LBHNC"), ("LBHNC", "LBNHC"), ("LBNHC", "LHBNC"), ("LHBNC", "BLNHC"),
+     ("BLNHC", "BHLNC")],
+)  # fmt: skip
+def test_token_major_against_head_major_at_equal_tp_is_transposed_exactly(
+    p_layout: str, d_layout: str
+) -> None:
+    """TP 2 on both sides: each D rank reads its P rank's blocks in P's order and, once its
+    received blocks are permuted, holds exactly its heads of the model's cache."""
+    tp = 2
+    ps = [build_rank("attn4", p_layout, tp, 1) for _ in range(tp)]
+    ds = [build_rank("attn4", d_layout, tp, 1) for _ in range(tp)]
+    g = GlobalCache("attn4", ps[0])
+    p_ids, d_ids = request_block_ids(ps[0], seed=1), request_block_ids(ds[0], seed=2)
+    for rank, caches in enumerate(ps):
+        caches.fill(P_SEED)
+        g.fill(caches, tp, rank, p_ids)
+    p_layouts = [layout_of(c, tp, r) for r, c in enumerate(ps)]
+    for d_rank, d in enumerate(ds):
+        d.fill(D_SEED + d_rank)
+        expected = twin(d)
+        expected.buffer.copy_(d.buffer)
+        for group, spec in enumerate(d.config.kv_cache_groups):
+            pairs = [(a, b) for a, b in zip(p_ids[group], d_ids[group], strict=True) if a and b]
+            for layer in spec.layer_names:
+                g.write(expected, tp, d_rank, layer, [b for _, b in pairs], [a for a, _ in pairs])
+        d_layout_ = layout_of(d, tp, d_rank)
+        plans = plan_tp_transfers(p_layouts, d_layout_, p_ids, d_ids)
+        assert sorted(plans) == [d_rank]
+        apply_plan(plans[d_rank], ps[d_rank], d)
+        transposes = received_transposes(p_layouts[d_rank], d_layout_, p_ids, d_ids)
+        assert transposes, "the pair needs its blocks permuted"
+        transpose_received(d.views, [s.layer_names for s in d.config.kv_cache_groups], transposes)
+        assert torch.equal(d.buffer, expected.buffer), (
+            f"D rank {d_rank}: {first_difference(d.buffer, expected.buffer)}"
+        )
 
 
 @pytest.mark.parametrize(("p_layout", "d_layout"), [("LBNHC", "LBHNC"), ("LHBNC", "BLNHC")])
