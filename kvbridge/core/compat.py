@@ -7,7 +7,13 @@ import weakref
 from kvbridge.core.errors import LayoutMismatchError
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout, Region, RegionKey
-from kvbridge.core.transpose import HEAD_MAJOR, PER_HEAD, is_token_major, received_pair
+from kvbridge.core.transpose import (
+    HEAD_MAJOR,
+    PER_HEAD,
+    is_token_major,
+    received_pair,
+    replace_in_parts,
+)
 
 
 def _bytes_per_block(region: Region, ratio: int) -> int:
@@ -23,8 +29,7 @@ def _bytes_per_block(region: Region, ratio: int) -> int:
 def unit_format(block_format: str) -> str:
     """The format of one KV head's bytes in a block: the same for ``[H,N,C]`` and per-head
     ``[N,C]`` layouts of one backend (vLLM's LBHNC/BLHNC and LHBNC/BHLNC)."""
-    parts = (f"{part} ".replace(HEAD_MAJOR, PER_HEAD).strip() for part in block_format.split("; "))
-    return "; ".join(sorted(parts))
+    return "; ".join(sorted(replace_in_parts(block_format, HEAD_MAJOR, PER_HEAD)))
 
 
 def heads_differ_only(a: Layout, b: Layout) -> bool:

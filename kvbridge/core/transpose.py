@@ -36,6 +36,11 @@ from kvbridge.core.layout import CacheTensor, Layout
 HEAD_MAJOR, PER_HEAD, TOKEN_MAJOR = " [H,N,C] ", " per head [N,C] ", " [N,H,C] "
 
 
+def replace_in_parts(block_format: str, old: str, new: str) -> list[str]:
+    """Each part of a block format (``"; "``-separated) with ``old`` replaced by ``new``."""
+    return [f"{part} ".replace(old, new).strip() for part in block_format.split("; ")]
+
+
 def is_token_major(layout: Layout) -> bool:
     """Whether the layout's attention blocks keep each token's heads together (``[N,H,C]``)."""
     return any(TOKEN_MAJOR in f"{part} " for part in layout.spec.block_format.split("; "))
@@ -75,8 +80,7 @@ def as_head_major(layout: Layout) -> Layout | None:
             _AS_HEAD_MAJOR[layout] = None
             return None
         tensors.append(piece)
-    fmt = "; ".join(f"{part} ".replace(TOKEN_MAJOR, HEAD_MAJOR).strip()
-                    for part in spec.block_format.split("; "))  # fmt: skip
+    fmt = "; ".join(replace_in_parts(spec.block_format, TOKEN_MAJOR, HEAD_MAJOR))
     found = Layout(msgspec.structs.replace(spec, tensors=tensors, block_format=fmt))
     _AS_HEAD_MAJOR[layout] = found
     return found
@@ -119,7 +123,7 @@ def received_transposes(
 ) -> list[Transpose]:
     """What the destination permutes once the bytes of these block ids moved from ``src`` to
     ``dst`` (empty when the two keep a block's cells in the same order)."""
-    if received_pair(src, dst) == (src, dst) or is_token_major(src) == is_token_major(dst):
+    if received_pair(src, dst) == (src, dst):  # the same order on both sides, or refused
         return []
     out: list[Transpose] = []
     for index in sorted(dst_block_ids):
@@ -146,4 +150,5 @@ __all__ = [
     "is_token_major",
     "received_pair",
     "received_transposes",
+    "replace_in_parts",
 ]

@@ -351,6 +351,20 @@ def expected_runs(
     return ByteRuns(np.concatenate(src), np.concatenate(dst), np.concatenate(length))
 
 
+def expected_rank(
+    g: GlobalCache, d: VllmCaches, td: int, d_rank: int, p_ids: IdMap, d_ids: IdMap
+) -> VllmCaches:
+    """D rank ``d_rank`` of ``td`` as it must be after the request: a copy of it with its heads
+    of every moved block written from the model's global cache."""
+    expected = twin(d)
+    expected.buffer.copy_(d.buffer)
+    for group, spec in enumerate(d.config.kv_cache_groups):
+        pairs = [(a, b) for a, b in zip(p_ids[group], d_ids[group], strict=True) if a and b]
+        for layer in spec.layer_names:
+            g.write(expected, td, d_rank, layer, [b for _, b in pairs], [a for a, _ in pairs])
+    return expected
+
+
 def _same_groups(p: VllmCaches, d: VllmCaches) -> None:
     assert [g.layer_names for g in p.config.kv_cache_groups] == [
         g.layer_names for g in d.config.kv_cache_groups
@@ -379,14 +393,7 @@ def test_tp_transfer_is_exact_and_minimal(
         p_before = [c.buffer.clone() for c in ps]
         for d_rank, d in enumerate(ds):
             d.fill(D_SEED + d_rank)
-            expected = twin(d)
-            expected.buffer.copy_(d.buffer)
-            for group, spec in enumerate(d.config.kv_cache_groups):
-                pairs = [(a, b) for a, b in zip(p_ids[group], d_ids[group], strict=True) if a and b]
-                for layer in spec.layer_names:
-                    g.write(
-                        expected, td, d_rank, layer, [b for _, b in pairs], [a for a, _ in pairs]
-                    )
+            expected = expected_rank(g, d, td, d_rank, p_ids, d_ids)
             d_layout = layout_of(d, td, d_rank)
             plans = plan_tp_transfers(p_layouts, d_layout, p_ids, d_ids)
             # What the control plane does: handshake checks with the P ranks D talks to (both
@@ -495,12 +502,7 @@ def test_token_major_against_head_major_at_equal_tp_is_transposed_exactly(
     p_layouts = [layout_of(c, tp, r) for r, c in enumerate(ps)]
     for d_rank, d in enumerate(ds):
         d.fill(D_SEED + d_rank)
-        expected = twin(d)
-        expected.buffer.copy_(d.buffer)
-        for group, spec in enumerate(d.config.kv_cache_groups):
-            pairs = [(a, b) for a, b in zip(p_ids[group], d_ids[group], strict=True) if a and b]
-            for layer in spec.layer_names:
-                g.write(expected, tp, d_rank, layer, [b for _, b in pairs], [a for a, _ in pairs])
+        expected = expected_rank(g, d, tp, d_rank, p_ids, d_ids)
         d_layout_ = layout_of(d, tp, d_rank)
         plans = plan_tp_transfers(p_layouts, d_layout_, p_ids, d_ids)
         assert sorted(plans) == [d_rank]
