@@ -98,11 +98,16 @@ class ModelCase:
 
 
 _LENGTHS = (45, 80, 130, 33, 64, 5)
+#: serve_xpyd.IN_FLIGHT prompts, then its EDGE ones (no hit, partial hit, full hit, disconnect).
+_XPYD_LENGTHS = (5, 33, 64, 130, 1, 300, 47, 600) * 4 + (200, 200, 97, 150)
 #: Keyed by ``ModelCase.name``.
 CASES = {
     c.name: c
     for c in (
         ModelCase("llama", "llama", "float32", _LENGTHS, repeat=1),
+        # xPyD behind the router (serve_xpyd): 32 prompts in flight, from one token to 600
+        # (shorter than a block, across block boundaries), then its edge cases' prompts.
+        ModelCase("llama_xpyd", "llama", "float32", _XPYD_LENGTHS, repeat=1),
         # vLLM's reference CPU MLA backend in float32: exact, but it turns prefix caching off.
         ModelCase(
             "deepseek_mla", "deepseek_mla", "float32", _LENGTHS, repeat=1, block_size=16,

@@ -47,13 +47,28 @@ class ServeError(RuntimeError):
     """A server, the proxy or a request failed; the message ends with the logs' tails."""
 
 
+#: Where listening ports are chosen: below the kernel's ephemeral range (32768-60999 by
+#: default), so that no outgoing connection takes one between the choice and the bind, or
+#: while a killed server's port waits for its restart.
+LISTEN_PORTS = range(20000, 32768)
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct TCP ports free on 127.0.0.1 right now (held open together while choosing)."""
-    socks = []
+    """Distinct TCP ports free on 127.0.0.1 right now, from ``LISTEN_PORTS`` (held open
+    together while choosing)."""
+    import random
+
+    socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for port in random.sample(LISTEN_PORTS, len(LISTEN_PORTS)):
+            if len(socks) == count:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

