@@ -153,6 +153,8 @@ class Handshakes:
         plane = self._plane
         deadline = time.monotonic() + plane.handshake_timeout
         delay = 0.05
+        t0 = time.monotonic()
+        attempt = 1
         while True:
             try:
                 client = self.client(params.endpoint)
@@ -161,11 +163,17 @@ class Handshakes:
                 break
             except ControlError:
                 raise  # refused (auth, layout): retrying cannot help
-            except Exception:
+            except Exception as err:
                 if time.monotonic() + delay >= deadline:
                     raise
+                # Each retry says why and how long it waits: a slow first request shows here.
+                log.info("handshake with %s: attempt %d failed after %.3f s (%s); retrying in "
+                         "%.2f s", params.endpoint, attempt, time.monotonic() - t0,
+                         type(err).__name__, delay)  # fmt: skip
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                attempt += 1
+        answered = time.monotonic()
         if not isinstance(reply, Handshake):
             raise ControlError("protocol", f"{params.endpoint} answered a handshake with {reply}")
         if reply.engine_id != params.engine_id:
@@ -182,6 +190,9 @@ class Handshakes:
         if old is not None and old.engine_id != reply.engine_id:
             plane.transport.disconnect(old.engine_id)  # P restarted: forget the old engine
         plane.transport.connect(reply.engine_id, reply.metadata)
+        log.debug("handshake with %s (%s): answered in %.3f s after %d attempt(s), transport "
+                  "connected in %.3f s", params.endpoint, reply.engine_id, answered - t0, attempt,
+                  time.monotonic() - answered)  # fmt: skip
         remote = RemoteEngine(reply.engine_id, remote_layout, params.endpoint)
         with self._lock:
             self._by_endpoint[params.endpoint] = remote

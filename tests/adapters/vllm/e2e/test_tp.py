@@ -11,7 +11,6 @@ Marked ``e2e`` (run by ``make test`` with ``KVBRIDGE_E2E=1``): three engines per
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import Reference, run_pair
-from tests.adapters.vllm.e2e.test_pd import BF16, RESULTS, cpu_has_amx
+from tests.adapters.vllm.e2e.test_pd import RESULTS
 
 pytestmark = E2E
 
@@ -31,14 +30,11 @@ RUNS = [
     ("deepseek_mla", "nixl", "push", 2, 1),
     ("qwen3_next", "nixl", "pull", 1, 2),
 ]
-#: The hybrid's near-tie bound at TP 2 (log-prob). vLLM's CPU GDN kernels take bf16 only, so
-#: the hybrid cannot be checked exactly. At TP 2 its 33-token prompt parts from the TP 2 single
-#: instance at step 1, where that instance's two best tokens are 0.3125 apart and D takes the
-#: runner-up; P TP 1 and P TP 2 (bytes copied rank to rank) part there alike, so it is vLLM's
-#: split computation at TP 2 (N-1 tokens, then the last one on D), not P's TP size. The bytes
-#: of the hybrid's TP slices are checked exactly in tests/control/test_tp.py and
-#: tests/adapters/vllm/test_layout_tp.py.
-TP_TIE = {"qwen3_next": 0.3125}
+#: The hybrid at TP 2: its 33-token prompt parts from the TP 2 single instance at step 1, where
+#: that instance's two best tokens are 0.3125 apart and D takes the runner-up; P TP 1 and P TP 2
+#: (bytes copied rank to rank) part there alike, so it is vLLM's split computation at TP 2, within
+#: the bf16 bound (``run_pd.BF16_BOUND``). The bytes of the hybrid's TP slices are checked
+#: exactly in tests/control/test_tp.py and tests/adapters/vllm/test_layout_tp.py.
 
 
 def consecutive_free_ports(count: int, start: int = 6200) -> int:
@@ -65,11 +61,7 @@ def test_tp_pair_matches_single_instance_at_d_tp(
     name: str, transport: str, mode: str, tp_p: int, tp_d: int,
     reference: Callable[..., Reference],
 ) -> None:  # fmt: skip
-    if name in BF16 and not cpu_has_amx():
-        pytest.skip(f"{name} (bf16) needs a CPU with AMX (see test_pd.BF16)")
     ref = reference(name, tp=tp_d)
-    if name in TP_TIE and tp_d > 1:
-        ref = dataclasses.replace(ref, case=dataclasses.replace(ref.case, tie=TP_TIE[name]))
     port_p = consecutive_free_ports(tp_p, 6200)
     port_d = consecutive_free_ports(tp_d, port_p + 10)
     summary = run_pair(ref, transport, modes=(mode,), port_p=port_p, port_d=port_d,
