@@ -28,9 +28,12 @@ RESULTS = Path(__file__).resolve().parents[4] / ".e2e-results"
 TRANSPORTS = ("mooncake", "nixl")
 
 
-#: Every model with both transports; the bf16 MLA variant (near ties allowed) with one.
+#: The float32 models with both transports; the bf16 ones (within BF16_BOUND) with Mooncake. The
+#: hybrid over NIXL runs in test_tp (P TP 1 -> D TP 2) and the hybrid's bytes over both
+#: transports in the control-plane tests: one engine pair fewer keeps CI under the hour.
 RUNS = [
-    *((name, t) for name in ("llama", "deepseek_mla", "qwen3_next") for t in TRANSPORTS),
+    *((name, t) for name in ("llama", "deepseek_mla") for t in TRANSPORTS),
+    ("qwen3_next", "mooncake"),
     ("deepseek_mla_bf16", "mooncake"),
 ]
 
