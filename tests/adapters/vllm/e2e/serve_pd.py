@@ -180,6 +180,17 @@ def _cached(usage: Any) -> int | None:
     return getattr(details, "cached_tokens", None) if details is not None else None
 
 
+def client_of(url: str, timeout: float = REQUEST_TIMEOUT_S) -> Any:
+    """An OpenAI client of the server at ``url``: no retries of its own, no proxy from the
+    environment."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout,
+        http_client=openai.DefaultHttpxClient(trust_env=False),
+    )  # fmt: skip
+
+
 def query(client: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
     """One completion through the proxy: token ids, the proxy's headers, the cached tokens D's
     usage reports (P's prefix-cache hit: vLLM reports it because P's parameters carry
@@ -361,7 +372,6 @@ def run_serve(
     Raises ``ServeError`` (with the logs' tails) when a server, the proxy or a request fails; a
     token mismatch is reported in the summary (``ok`` False, per-prompt ``match``).
     """
-    import openai
 
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvb-serve-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -370,12 +380,6 @@ def run_serve(
     servers: list[Server] = []
     results: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
-
-    def client_of(url: str) -> Any:
-        return openai.OpenAI(
-            base_url=url + "/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S,
-            http_client=openai.DefaultHttpxClient(trust_env=False),
-        )  # fmt: skip
 
     try:
         t0 = time.perf_counter()

@@ -48,8 +48,10 @@ from tests.adapters.vllm.e2e.serve_pd import (
     Server,
     _env,
     _tokens_of,
+    client_of,
     deploy_vars,
     free_ports,
+    query_stream,
     tail,
     vllm_args,
     wait_healthy,
@@ -178,29 +180,15 @@ class Deployment:
         return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in logs)
 
 
-def client_of(url: str, timeout: float = REQUEST_TIMEOUT_S) -> Any:
-    import openai
-
-    return openai.OpenAI(
-        base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout,
-        http_client=openai.DefaultHttpxClient(trust_env=False),
-    )  # fmt: skip
-
-
 def complete(client: Any, ids: list[int], max_tokens: int, *, stream: bool = False) -> list[int]:
     """One greedy completion (streamed or not): its token ids."""
-    kwargs: dict[str, Any] = {
-        "model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-        "extra_body": {"ignore_eos": True, "return_token_ids": True},
-    }  # fmt: skip
-    if not stream:
-        return _tokens_of(client.completions.create(**kwargs).choices[0])
-    out: list[int] = []
-    for chunk in client.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            ids_ = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
-            out += [int(t) for t in ids_ or ()]
-    return out
+    if stream:
+        return query_stream(client, ids, max_tokens)
+    resp = client.completions.create(
+        model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    return _tokens_of(resp.choices[0])
 
 
 def in_flight(dep: Deployment, ref: Reference, max_tokens: int, log: Any) -> dict[str, Any]:
