@@ -274,21 +274,38 @@ def control(
         return {"p_params": params, "d_tokens": list(dec.json()["choices"][0]["token_ids"])}
 
 
-def transfer_stats(log: Path, want: int, wait: float = 15.0) -> dict[str, float]:
-    """Sum of the ``KV Transfer metrics`` lines vLLM logged from our connector's stats hook.
+def scrape(url: str) -> dict[str, float]:
+    """A server's Prometheus metrics, each sample summed over its labels."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    Waits (bounded) until ``want`` transfers were logged: vLLM logs once per stats interval.
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+#: kvbridge's counters, as vLLM's Prometheus hook exports them.
+TRANSFERS = "vllm:kvbridge_transfers_total"
+BYTES = "vllm:kvbridge_transfer_bytes_sum"
+DESCRIPTORS = "vllm:kvbridge_transfer_descriptors_sum"
+FAILURES = "vllm:kvbridge_transfer_failures_total"
+
+
+def transfer_stats(url: str, want: int, wait: float = 15.0) -> dict[str, float]:
+    """The connector's stats as D's Prometheus ``/metrics`` shows them, as an operator reads them.
+
+    Not vLLM's ``KV Transfer metrics`` log lines: vLLM logs an interval in which D produced no
+    token at debug level, so a load that ends alone in its interval never shows there. Waits
+    (bounded) until ``want`` transfers were counted: stats reach the API server once per step.
     """
     deadline = time.monotonic() + wait
     while True:
-        total: dict[str, float] = {"transfers": 0, "failed": 0, "MiB": 0.0, "descriptors": 0}
-        for line in log.read_text(errors="replace").splitlines():
-            if "KV Transfer metrics:" not in line:
-                continue
-            text = line.split("KV Transfer metrics:", 1)[1]
-            fields = dict(kv.strip().split("=", 1) for kv in text.split(","))
-            for key in total:
-                total[key] += float(fields.get(key, 0))
+        m = scrape(url)
+        total = {"transfers": m.get(TRANSFERS, 0.0), "failed": m.get(FAILURES, 0.0),
+                 "MiB": m.get(BYTES, 0.0) / 2**20, "descriptors": m.get(DESCRIPTORS, 0.0)}  # fmt: skip
         if total["transfers"] >= want or time.monotonic() > deadline:
             return total
         time.sleep(0.5)
@@ -420,8 +437,8 @@ def run_serve(
         ctl = control(urls["prefill"], urls["decode"], ps[0], other, max_tokens)
         loaded = ctl["d_tokens"] == ref.tokens[0] and ref.control_tokens != ref.tokens[0]
         log(f"control (prompt 0's KV, other tokens): D used P's KV = {loaded}")
-        stats = transfer_stats(logs["decode"], len(ps) + 2 + len(CHATS))
-        log(f"D's connector stats, summed over vLLM's log lines: {stats}")
+        stats = transfer_stats(urls["decode"], len(ps) + 2 + len(CHATS))
+        log(f"D's connector stats, from its Prometheus /metrics: {stats}")
     except (Exception, KeyboardInterrupt) as exc:
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
         raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc

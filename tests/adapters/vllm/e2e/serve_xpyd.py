@@ -40,10 +40,13 @@ from typing import Any
 
 from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference
 from tests.adapters.vllm.e2e.serve_pd import (
+    BYTES,
     DEPLOY,
+    FAILURES,
     REQUEST_TIMEOUT_S,
     SERVED_NAME,
     START_DEADLINE_S,
+    TRANSFERS,
     ServeError,
     Server,
     _env,
@@ -52,6 +55,7 @@ from tests.adapters.vllm.e2e.serve_pd import (
     deploy_vars,
     free_ports,
     query_stream,
+    scrape,
     tail,
     vllm_args,
     wait_healthy,
@@ -72,27 +76,11 @@ EDGE = {"no_hit": 32, "partial_hit": 33, "full_hit": 34, "disconnect": 35}
 PARTIAL_PREFIX = 64
 
 
-def scrape(url: str) -> dict[str, float]:
-    """A server's Prometheus metrics, each sample summed over its labels."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
-    return out
-
-
 def total(urls: list[str], name: str) -> float:
     """``name`` summed over servers."""
     return sum(scrape(u).get(name, 0.0) for u in urls)
 
 
-TRANSFERS = "vllm:kvbridge_transfers_total"
-BYTES = "vllm:kvbridge_transfer_bytes_sum"
-FAILURES = "vllm:kvbridge_transfer_failures_total"
 LEASE_EXPIRIES = "vllm:kvbridge_lease_expiries_total"
 USAGE = "vllm:kv_cache_usage_perc"
 SUCCESS = "vllm:request_success_total"
