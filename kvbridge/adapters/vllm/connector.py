@@ -420,6 +420,19 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 mode=self.options.mode,
             )
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Yes: D may count its full-attention prefix hit even where its recurrent state lags.
+
+        In a hybrid's ``align`` mode D caches the attention blocks of a loaded prompt but never
+        the state at their boundary (it loaded the state after token N-2, it did not compute
+        the boundary), so without this a repeated prompt hits nothing and is loaded whole. The
+        hit is safe for kvbridge because every load carries P's running state after N-1 tokens
+        into D's running slot whatever D's hit (``transfer_block_ids``); vLLM falls back to the
+        hit all groups share when nothing is loaded, and a failed load recomputes from 0.
+        """
+        return True
+
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """vLLM 0.33 asks before it starts an engine with ``--enable-sleep-mode``: no (sleeping

@@ -76,11 +76,11 @@ def test_pd_matches_single_instance(
         assert not bad, f"{mode}: D's tokens differ from the single instance: {bad}"
         if ref.case.tie == 0:
             assert all(r["match"] == "exact" for r in rows)
-    if ref.case.d_reuses_loaded_prefix:
-        assert summary["prefix_hit"], "D reported no prefix-cache hit for the repeated prompt"
-    else:
-        # (see ModelCase.d_reuses_loaded_prefix: a hit on D would mean it now reuses loads)
-        assert summary["prefix_hit"], "no P prefix hit for the repeated prompt, or one on D"
+    repeats = [(r["mode"], r["d_cached"], r["p_cached"], r["d_loaded_bytes"])
+               for r in summary["results"] if r["repeat"] or r["prompt"] == ref.case.repeat]  # fmt: skip
+    # D's own cache serves part of the repeated prompt and it loads only the rest (or, where
+    # the single instance caches nothing of it, no hit anywhere): run_pd.run_pair.
+    assert summary["prefix_hit"], f"repeated prompt (mode, D hit, P hit, D loaded B): {repeats}"
     assert ref.case.prefix_cache or not any(r["d_cached"] for r in summary["results"])
     assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
     assert summary["p_frozen"]["match"] != "mismatch", "after P was frozen D's answer was wrong"
