@@ -12,6 +12,9 @@
 #   KVB_TRANSPORT_OPTIONS the transport's options as JSON (mooncake default: {"protocol": "tcp"})
 #   KVB_MODE              pull (default: D reads P's blocks) | push (P writes D's blocks)
 #   KVB_TIMEOUT, KVB_LEASE  seconds (defaults 10 and 30)
+#   KVB_PREFILL_PEERS     decode only: prefill side channels host:port,host:port,... (each P's
+#                         KVBRIDGE_HOST and port; TP rank r: port + r) to handshake with at
+#                         start, so the first request from each needs no handshake
 #   HTTP_HOST, HTTP_PORT  where vLLM's OpenAI server listens
 # Arguments after the script's name go to vLLM unchanged (--tensor-parallel-size, --dtype, ...).
 
@@ -43,9 +46,12 @@ fi
 serve() {
   local role=$1 extra=$2
   shift 2
-  local config
-  config=$(printf '{"kv_connector": "KVBridgeConnector", "kv_role": "%s"%s, "kv_connector_extra_config": {"transport": "%s", "transport_options": %s, "mode": "%s", "timeout": %s, "lease": %s}}' \
-    "$role" "$extra" "$KVB_TRANSPORT" "$KVB_TRANSPORT_OPTIONS" "$KVB_MODE" "$KVB_TIMEOUT" "$KVB_LEASE")
+  local config peers=""
+  if [ "$role" = kv_consumer ] && [ -n "${KVB_PREFILL_PEERS:-}" ]; then
+    peers=$(printf ', "prefill_peers": ["%s"]' "${KVB_PREFILL_PEERS//,/\", \"}")
+  fi
+  config=$(printf '{"kv_connector": "KVBridgeConnector", "kv_role": "%s"%s, "kv_connector_extra_config": {"transport": "%s", "transport_options": %s, "mode": "%s", "timeout": %s, "lease": %s%s}}' \
+    "$role" "$extra" "$KVB_TRANSPORT" "$KVB_TRANSPORT_OPTIONS" "$KVB_MODE" "$KVB_TIMEOUT" "$KVB_LEASE" "$peers")
   echo "kvbridge $role: $KVB_TRANSPORT $KVB_MODE, side channel $KVBRIDGE_HOST:$KVBRIDGE_PORT," \
        "HTTP $HTTP_HOST:$HTTP_PORT" >&2
   exec "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" \

@@ -31,6 +31,7 @@ env $(side PREFILL) HTTP_PORT="${PREFILL_PORT:-8100}" KVBRIDGE_PORT="${PREFILL_S
   "$here/prefill.sh" "$@" >"$LOG_DIR/prefill.log" 2>&1 &
 # shellcheck disable=SC2046
 env $(side DECODE) HTTP_PORT="${DECODE_PORT:-8200}" KVBRIDGE_PORT="${DECODE_SIDE_PORT:-5800}" \
+  KVB_PREFILL_PEERS="${KVB_PREFILL_PEERS:-$KVBRIDGE_HOST:${PREFILL_SIDE_PORT:-5790}}" \
   "$here/decode.sh" "$@" >"$LOG_DIR/decode.log" 2>&1 &
 case "${ROUTER:-vllm-router}" in
   vllm-router) front="$here/router.sh" ;;

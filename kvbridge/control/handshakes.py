@@ -18,7 +18,13 @@ from kvbridge.control.channel import PeerClient
 from kvbridge.control.messages import Handshake
 from kvbridge.control.requests import RankAddress, RequestStats, timed
 from kvbridge.core.compat import check_compatible
-from kvbridge.core.errors import ControlError, KvbridgeError, LayoutMismatchError, MessageError
+from kvbridge.core.errors import (
+    ControlError,
+    KvbridgeError,
+    LayoutError,
+    LayoutMismatchError,
+    MessageError,
+)
 from kvbridge.core.layout import Layout
 
 if TYPE_CHECKING:
@@ -149,7 +155,39 @@ class Handshakes:
                 return remote
             return self._handshake(address)
 
-    def _handshake(self, params: RankAddress) -> RemoteEngine:
+    def prefetch(self, endpoint: str, patience: float) -> RemoteEngine | None:
+        """Handshake with the engine at ``endpoint`` before any request names it (D, at start).
+
+        Whatever engine answers there is remembered, so the first request from it needs no
+        handshake; a request from another engine id (P restarted meanwhile) handshakes again as
+        usual. Retries for up to ``patience`` seconds (a P still loading its model); a failure
+        is logged and costs only the first request its handshake.
+        """
+        with self._lock:
+            gate = self._handshake_gates.setdefault(endpoint, threading.Lock())
+        deadline = time.monotonic() + patience
+        while True:
+            with gate:
+                known = self.at(endpoint)
+                if known is not None:
+                    return known
+                try:
+                    remote = self._handshake(RankAddress("", endpoint), retries=logging.DEBUG)
+                    break
+                except (ControlError, LayoutError) as err:  # refused: say it, do not retry
+                    log.warning("early handshake with %s refused: %s", endpoint, err)
+                    return None
+                except Exception as err:
+                    if time.monotonic() >= deadline or self._plane.closed:
+                        log.info("early handshake with %s: no answer within %.0f s (%s); the "
+                                 "first request from it will handshake", endpoint, patience,
+                                 type(err).__name__)  # fmt: skip
+                        return None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        log.info("early handshake with %s: engine %s", endpoint, remote.engine_id)
+        return remote
+
+    def _handshake(self, params: RankAddress, retries: int = logging.INFO) -> RemoteEngine:
         plane = self._plane
         deadline = time.monotonic() + plane.handshake_timeout
         delay = 0.05
@@ -167,16 +205,16 @@ class Handshakes:
                 if time.monotonic() + delay >= deadline:
                     raise
                 # Each retry says why and how long it waits: a slow first request shows here.
-                log.info("handshake with %s: attempt %d failed after %.3f s (%s); retrying in "
-                         "%.2f s", params.endpoint, attempt, time.monotonic() - t0,
-                         type(err).__name__, delay)  # fmt: skip
+                log.log(retries, "handshake with %s: attempt %d failed after %.3f s (%s); "
+                        "retrying in %.2f s", params.endpoint, attempt, time.monotonic() - t0,
+                        type(err).__name__, delay)  # fmt: skip
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 attempt += 1
         answered = time.monotonic()
         if not isinstance(reply, Handshake):
             raise ControlError("protocol", f"{params.endpoint} answered a handshake with {reply}")
-        if reply.engine_id != params.engine_id:
+        if params.engine_id and reply.engine_id != params.engine_id:  # "": any (prefetch)
             raise ControlError(
                 "engine_changed",
                 f"{params.endpoint} is engine {reply.engine_id!r}, the request came from "

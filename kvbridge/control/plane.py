@@ -28,12 +28,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvbridge.control.channel import Endpoint
-from kvbridge.control.handshakes import Handshakes
+from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.leases import Leases
 from kvbridge.control.loads import Loads
 from kvbridge.control.messages import (
@@ -207,6 +207,26 @@ class ControlPlane:
                     )
                 self._finished_cond.wait(left)
             return self._finished.pop(request_id)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
+    def connect_early(
+        self, endpoints: Sequence[str], patience: float = 300.0
+    ) -> list[Future[RemoteEngine | None]]:
+        """D: handshake in the background with the prefill side channels at ``endpoints``
+        (``tcp://host:port``, as P publishes them), so that the first request from each needs
+        none. Each ends with the engine met there, or ``None`` (logged) when none answered
+        within ``patience`` seconds (P may still be loading its model) or it refused."""
+        # Threads of their own: a P not up yet holds one for up to handshake_timeout, which
+        # must not take the workers requests use. The pool ends when its tasks do.
+        pool = ThreadPoolExecutor(max(1, len(endpoints)), thread_name_prefix="kvbridge-early")
+        try:
+            return [pool.submit(self._peers.prefetch, e, patience) for e in endpoints]
+        finally:
+            pool.shutdown(wait=False)
 
     def close(self) -> None:
         """Stop serving, fail what is pending, free every lease and registration."""

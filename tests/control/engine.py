@@ -187,6 +187,9 @@ def handle(
         return [hashlib.sha256(b.tobytes()).hexdigest() for b in arena.buffers]
     if name == "held":
         return plane.held
+    if name == "connect_early":  # D: handshake with these side channels now; who answered
+        futures = plane.connect_early(cmd["endpoints"], cmd.get("patience", 300.0))
+        return [None if r is None else r.engine_id for r in (f.result(60) for f in futures)]
     if name == "reading":  # D: loads whose transfer is in the transport, or that have ended
         with plane._decode._lock:
             reading = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import time
 
 import pytest
@@ -10,6 +11,13 @@ import pytest
 from tests.control.engine import BlockAllocator, run_requests
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound once, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def check_bytes(d, sources):
@@ -132,3 +140,26 @@ def test_only_a_handshake_counts_as_handshake_time(engines, transport):
         assert out["ok"], out
         seen.append(out["stats"]["handshake_s"])
     assert seen[0] > 0 and seen[1:] == [0.0, 0.0], seen
+
+
+def test_an_early_handshake_spares_the_first_load_its_handshake(engines, transport):
+    # D told P's side channel at start (the connector's prefill_peers) handshakes before any
+    # request: the first load spends no handshake time, and its bytes are right. A side
+    # channel nobody answers costs a bounded wait and nothing else.
+    p = engines("prefill", transport, seed=43, num_blocks=256)
+    d = engines("decode", transport, seed=44, num_blocks=256)
+    silent = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    met = d.call(cmd="connect_early", endpoints=[p.info["endpoint"], silent], patience=2.0)
+    assert met == [p.info["engine_id"], None]
+    assert time.monotonic() - start < 10
+    p_ids, d_ids = (
+        BlockAllocator(p.layout, 11).request(64),
+        BlockAllocator(d.layout, 12).request(64),
+    )
+    params = p.call(cmd="publish", request_id="e0", block_ids=p_ids, num_tokens=64, mode="pull")
+    assert d.call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
+    out = d.call(cmd="wait", request_id="e0", timeout=30)
+    assert out["ok"], out
+    assert out["stats"]["handshake_s"] == 0.0, out["stats"]
+    check_bytes(d, [{"config": p.config, "pairs": [(p_ids, d_ids)]}])

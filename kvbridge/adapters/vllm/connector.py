@@ -96,6 +96,9 @@ _Text = Annotated[str, msgspec.Meta(min_length=1)]
 _Seconds = Annotated[float, msgspec.Meta(gt=0)]
 _SECONDS = "a finite number of seconds > 0"
 
+#: A prefill side channel as ``prefill_peers`` names it.
+_PEER = re.compile(r"(tcp://)?[^\s:/]+:[0-9]{1,5}")
+
 #: Each JSON option but ``kv_layout`` (checked against vLLM's names): the type its value must
 #: have (msgspec, strict: no str → int, no bool → int), a further check, and what is expected.
 _OPTION_TYPES: dict[str, tuple[Any, Callable[[Any], bool] | None, str]] = {
@@ -114,6 +117,11 @@ _OPTION_TYPES: dict[str, tuple[Any, Callable[[Any], bool] | None, str]] = {
         f"{SPLIT_HEAD_KV!r} or {SPLIT_OPAQUE!r}",
     ),
     "verify": (Verify, None, "'off', 'sample' or 'full'"),
+    "prefill_peers": (
+        tuple[_Text, ...],
+        lambda v: all(_PEER.fullmatch(e) and 1 <= int(e.rsplit(":", 1)[1]) <= 65535 for e in v),
+        "a list of prefill side channels, each 'host:port' (or 'tcp://host:port')",
+    ),
 }
 #: Options whose value is never shown: not in logs, errors nor ``repr(Options)``.
 _HIDDEN = frozenset({"secret"})
@@ -228,6 +236,9 @@ class Options:
     kv_split: str | None = None
     kv_layout: str = "auto"
     verify: Verify = Verify.OFF
+    #: D: the prefill side channels (``tcp://host:port``, as P publishes them) it handshakes
+    #: with at start, so the first request from each needs no handshake.
+    prefill_peers: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         shown = (
@@ -273,6 +284,10 @@ class Options:
                 )
         _env_overrides(values, environ)
         secret = _secret(values, environ)
+        if "prefill_peers" in values:  # the form P publishes its side channel in
+            values["prefill_peers"] = tuple(
+                e if e.startswith("tcp://") else f"tcp://{e}" for e in values["prefill_peers"]
+            )
         options = cls(**values, secret=secret)
         options.transport_timed()  # a conflicting transport_options.timeout fails at start too
         return options
@@ -531,6 +546,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         )  # fmt: skip
         log.info("kvbridge: %s (TP rank %d of %d) registered, side channel %s",
                  self.plane.engine_id, tp_rank, tp_size, self.plane.endpoint)  # fmt: skip
+        peers = self.options.prefill_peers
+        ktc = self._vllm_config.kv_transfer_config
+        if peers and ktc is not None and ktc.is_kv_consumer:
+            self.plane.connect_early(peers)
+        elif peers:
+            log.warning("kvbridge: option prefill_peers is for decode instances; a %s ignores it",
+                        getattr(ktc, "kv_role", "producer"))  # fmt: skip
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata

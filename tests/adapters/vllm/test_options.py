@@ -51,6 +51,9 @@ def test_valid_options_are_converted_and_defaults_kept() -> None:
     assert (options.port, options.lease, options.kv_layout) == (65535, 0.5, "BLHNC")
     assert options.secret == SECRET and options.transport_options == {"protocol": "tcp"}
     assert Options.from_extra({"port": 1, "kv_split": None}, None).port == 1
+    # prefill side channels take the form P publishes its own in
+    peers = Options.from_extra({"prefill_peers": ["10.0.0.1:5790", "tcp://p2:5791"]}, None)
+    assert peers.prefill_peers == ("tcp://10.0.0.1:5790", "tcp://p2:5791")
 
 
 #: (option, bad value, what the message must say is expected)
@@ -83,6 +86,10 @@ BAD = [
     ("host", 10, "a non-empty string"),
     ("secret_file", "", "a non-empty string (a file path)"),
     ("secret_file", 3, "a non-empty string (a file path)"),
+    ("prefill_peers", "10.0.0.1:5790", "a list of prefill side channels, each 'host:port'"),
+    ("prefill_peers", ["10.0.0.1"], "a list of prefill side channels, each 'host:port'"),
+    ("prefill_peers", ["10.0.0.1:70000"], "a list of prefill side channels, each 'host:port'"),
+    ("prefill_peers", ["http://p:8100"], "a list of prefill side channels, each 'host:port'"),
 ]
 
 

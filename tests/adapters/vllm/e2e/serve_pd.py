@@ -288,6 +288,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 #: kvbridge's counters, as vLLM's Prometheus hook exports them.
+HANDSHAKES = "vllm:kvbridge_handshake_time_seconds_count"
 TRANSFERS = "vllm:kvbridge_transfers_total"
 BYTES = "vllm:kvbridge_transfer_bytes_sum"
 DESCRIPTORS = "vllm:kvbridge_transfer_descriptors_sum"
@@ -305,7 +306,8 @@ def transfer_stats(url: str, want: int, wait: float = 15.0) -> dict[str, float]:
     while True:
         m = scrape(url)
         total = {"transfers": m.get(TRANSFERS, 0.0), "failed": m.get(FAILURES, 0.0),
-                 "MiB": m.get(BYTES, 0.0) / 2**20, "descriptors": m.get(DESCRIPTORS, 0.0)}  # fmt: skip
+                 "MiB": m.get(BYTES, 0.0) / 2**20, "descriptors": m.get(DESCRIPTORS, 0.0),
+                 "handshakes": m.get(HANDSHAKES, 0.0)}  # fmt: skip
         if total["transfers"] >= want or time.monotonic() > deadline:
             return total
         time.sleep(0.5)
@@ -350,7 +352,8 @@ def start_pair(
         p_env = _env(CORE_P, **deploy, KVBRIDGE_HOST=p_addr, HTTP_HOST=p_addr,
                      HTTP_PORT=str(http_p), KVBRIDGE_PORT=str(side_p))  # fmt: skip
         d_env = _env(CORE_D, **deploy, KVBRIDGE_HOST=d_addr, HTTP_HOST=d_addr,
-                     HTTP_PORT=str(http_d), KVBRIDGE_PORT=str(side_d))  # fmt: skip
+                     HTTP_PORT=str(http_d), KVBRIDGE_PORT=str(side_d),
+                     KVB_PREFILL_PEERS=f"{p_addr}:{side_p}")  # fmt: skip
         proxy_env = _env(None, PREFILL_URLS=f"http://{p_addr}:{http_p}",
                          DECODE_URLS=f"http://{d_addr}:{http_d}", PROXY_HOST=d_addr,
                          PROXY_PORT=str(http_proxy))  # fmt: skip
@@ -365,9 +368,23 @@ def start_pair(
             Server("proxy", [*in_d, str(DEPLOY / "proxy.sh"), "--timeout", str(REQUEST_TIMEOUT_S)],
                    work / "proxy.log", proxy_env),
         ]  # fmt: skip
+    # (one-host.sh gives D P's side channel itself; the two-host D is told it, as the README says)
     urls = {"prefill": f"http://{p_addr}:{http_p}", "decode": f"http://{d_addr}:{http_d}",
-            "proxy": f"http://{d_addr}:{http_proxy}"}  # fmt: skip
+            "proxy": f"http://{d_addr}:{http_proxy}", "prefill_side": f"tcp://{p_addr}:{side_p}"}  # fmt: skip
     return servers, urls
+
+
+def wait_logged(servers: list[Server], log: Path, text: str, deadline: float) -> float:
+    """Seconds until ``text`` appears in ``log``; raises if a server exits or time runs out."""
+    t0 = time.perf_counter()
+    while time.perf_counter() < deadline:
+        if log.exists() and text in log.read_text(errors="replace"):
+            return time.perf_counter() - t0
+        for server in servers:
+            if server.proc.poll() is not None:
+                raise ServeError(f"{server.name} exited with {server.proc.returncode}")
+        time.sleep(0.2)
+    raise ServeError(f"{log.name} never said {text!r}")
 
 
 def run_serve(
@@ -406,6 +423,10 @@ def run_serve(
         for name in ("prefill", "decode", "proxy"):
             wait_healthy(servers, urls[name] + "/health", deadline)
         timings["servers_ready_s"] = time.perf_counter() - t0
+        # D handshakes with P at start (prefill_peers), so no request pays for it: D's
+        # handshake counter stays at 0 (checked by the tests).
+        early = f"early handshake with {urls['prefill_side']}: engine"
+        timings["early_handshake_wait_s"] = wait_logged(servers, logs["decode"], early, deadline)
         log(f"P, D and the {router} ready in {timings['servers_ready_s']:.1f} s at {urls['proxy']}")
 
         client = client_of(urls["proxy"])

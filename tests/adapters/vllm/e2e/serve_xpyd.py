@@ -114,8 +114,11 @@ class Deployment:
              ("decode0", "decode.sh", "1"), ("decode1", "decode.sh", "1")]
         ):  # fmt: skip
             args = [*base, "--max-num-seqs", str(D_MAX_SEQS)] if role.startswith("d") else base
+            # Each D handshakes with both P's at start (prefill_peers).
+            peers = {"KVB_PREFILL_PEERS": f"127.0.0.1:{side0},127.0.0.1:{side1}"}
             env = _env(core, **deploy, KVBRIDGE_HOST="127.0.0.1", HTTP_HOST="127.0.0.1",
-                       HTTP_PORT=str(http[n]), KVBRIDGE_PORT=str(side[n]))  # fmt: skip
+                       HTTP_PORT=str(http[n]), KVBRIDGE_PORT=str(side[n]),
+                       **(peers if role.startswith("d") else {}))  # fmt: skip
             self.specs[role] = (["bash", str(DEPLOY / script), *args], env)
         self.urls = {role: f"http://127.0.0.1:{http[n]}" for n, role in enumerate(self.specs)}
         self.urls["router"] = f"http://127.0.0.1:{http[4]}"

@@ -38,6 +38,8 @@ def check(summary: dict[str, Any]) -> None:
     stats = summary["stats"]
     assert stats["transfers"] >= len(summary["results"]) and stats["failed"] == 0, stats
     assert stats["MiB"] > 0 and stats["descriptors"] >= stats["transfers"], stats
+    # D handshook with P at start (prefill_peers): no request spent time on a handshake
+    assert stats["handshakes"] == 0, stats
 
 
 @pytest.mark.timeout(600)
