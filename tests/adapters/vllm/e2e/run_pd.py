@@ -410,9 +410,11 @@ class Engine:
 
 def kv_config(
     role: str, transport: str, port: int, mode: str = "pull", timeout: float = 10.0,
-    lease: float = 60.0, verify: str = "off",
+    lease: float = 60.0, verify: str = "off", peers: list[str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``kv_transfer_config`` of one side (what users put on ``vllm serve``).
+
+    ``peers``: D's ``prefill_peers`` (the P side channels it handshakes with at start).
 
     ``transport="vllm-nixl"`` configures vLLM's own NIXL connector instead, for comparison.
     """
@@ -434,6 +436,8 @@ def kv_config(
     }
     if transport == "mooncake":
         extra["transport_options"] = {"protocol": "tcp"}
+    if peers:
+        extra["prefill_peers"] = peers
     cfg: dict[str, Any] = {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
@@ -604,7 +608,8 @@ def run_pair(
     case = ref.case
     p = Engine("prefill", ref.model, kv_config("kv_producer", transport, port_p),
                cores_for(tp_p, CORE_P), case, tp=tp_p)  # fmt: skip
-    d = Engine("decode", ref.model, kv_config("kv_consumer", transport, port_d),
+    peers = [f"127.0.0.1:{port_p + r}" for r in range(tp_p)]  # P's ranks' side channels
+    d = Engine("decode", ref.model, kv_config("kv_consumer", transport, port_d, peers=peers),
                cores_for(tp_d, CORE_D), case, tp=tp_d)  # fmt: skip
     summary: dict[str, Any] = {"model": case.name, "transport": transport, "dtype": case.dtype,
                                "tp_p": tp_p, "tp_d": tp_d}  # fmt: skip
