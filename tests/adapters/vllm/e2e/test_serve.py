@@ -59,6 +59,36 @@ def test_served_pd_behind_vllm_router_matches_single_instance(
     assert summary["stats"]["transfers"] >= len(summary["results"]) + 2 + len(summary["chats"])
 
 
+@pytest.mark.timeout(600)
+def test_served_hybrid_behind_vllm_router_matches_single_instance_and_reuses_d_cache(
+    reference: Callable[[str], Reference], tmp_path: Path
+) -> None:
+    """The GDN hybrid (bf16) behind vllm-router, Mooncake pull: every answer within the bf16
+    bound of the single instance (streamed too); the one-token prompt loads nothing; a repeated
+    prompt and one D computed itself load less than a prompt of as many blocks with no hit,
+    D's cache serving the rest (``serve_hybrid``)."""
+    from tests.adapters.vllm.e2e.serve_hybrid import (
+        D_ALONE,
+        ONE_TOKEN,
+        REPEAT,
+        YARDSTICK,
+        run_serve_hybrid,
+    )
+
+    summary = run_serve_hybrid(reference("qwen3_next"), transport="mooncake", mode="pull",
+                               work_dir=tmp_path)  # fmt: skip
+    rows = {r["prompt"]: r for r in summary["rows"]}
+    bad = {i: (r["match"], r["lp_dev"]) for i, r in rows.items() if r["match"] == "mismatch"}
+    assert not bad, f"D's answers beyond the bf16 bound of the single instance's: {bad}"
+    assert rows[ONE_TOKEN]["loaded_bytes"] == 0, rows[ONE_TOKEN]
+    assert all(r["loaded_bytes"] > 0 for i, r in rows.items() if i != ONE_TOKEN), rows
+    for i in (REPEAT, D_ALONE):
+        assert rows[i]["d_hit"] > 0, rows[i]
+        assert rows[i]["loaded_bytes"] < rows[YARDSTICK]["loaded_bytes"], (rows[i], rows[YARDSTICK])
+    assert summary["d_failed_loads"] == 0 and summary["d_handshakes"] == 0, summary
+    assert summary["ok"]
+
+
 @pytest.fixture
 def hosts() -> Iterator[tuple[Host, Host]]:
     with contextlib.ExitStack() as stack:
