@@ -37,13 +37,13 @@ from tests.adapters.vllm.e2e.serve_pd import (
     START_DEADLINE_S,
     ServeError,
     Server,
+    _chunk_tokens,
     _tokens_of,
     client_of,
     scrape,
     start_pair,
     tail,
-    wait_healthy,
-    wait_logged,
+    wait_ready,
 )
 
 #: D's prefix-cache hits (tokens), vLLM's own counter.
@@ -73,8 +73,7 @@ def ask(
     logprobs: list[float] = []
     for chunk in client.completions.create(**kw, stream=True):
         for choice in chunk.choices:
-            ids_ = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
-            tokens += [int(t) for t in ids_ or ()]
+            tokens += _chunk_tokens(choice)
             if choice.logprobs is not None:
                 logprobs += [float(x) for x in choice.logprobs.token_logprobs or ()]
     return tokens, logprobs
@@ -99,11 +98,7 @@ def run_serve_hybrid(
     rows: dict[int, dict[str, Any]] = {}
     try:
         servers, urls = start_pair(ref, transport, mode, work, None, "vllm-router")
-        deadline = time.perf_counter() + START_DEADLINE_S
-        for name in ("prefill", "decode", "proxy"):
-            wait_healthy(servers, urls[name] + "/health", deadline)
-        wait_logged(servers, logs["decode"], f"early handshake with {urls['prefill_side']}",
-                    deadline)  # fmt: skip
+        wait_ready(servers, urls, logs["decode"], time.perf_counter() + START_DEADLINE_S)
         # vLLM compiles its log-prob op at an engine's first log-prob request: once each, in
         # turn (two compiles at once can race in torch's shared cache), before the cases.
         for name in ("prefill", "decode"):

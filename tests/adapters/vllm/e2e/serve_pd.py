@@ -166,6 +166,14 @@ def deploy_vars(model: str, transport: str, mode: str, secret_file: Path) -> dic
     return out
 
 
+def _chunk_tokens(choice: Any) -> list[int]:
+    """The token ids a completion choice (or a streamed chunk's) carries; none if it has none."""
+    ids = getattr(choice, "token_ids", None)
+    if ids is None:
+        ids = (choice.model_extra or {}).get("token_ids")
+    return [int(t) for t in ids or ()]
+
+
 def _tokens_of(choice: Any) -> list[int]:
     ids = getattr(choice, "token_ids", None)
     if ids is None:
@@ -224,8 +232,7 @@ def query_stream(client: Any, ids: list[int], max_tokens: int) -> list[int]:
     )  # fmt: skip
     for chunk in stream:
         for choice in chunk.choices:
-            ids_ = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
-            out += [int(t) for t in ids_ or ()]
+            out += _chunk_tokens(choice)
     return out
 
 
@@ -374,6 +381,19 @@ def start_pair(
     return servers, urls
 
 
+def wait_ready(
+    servers: list[Server], urls: dict[str, str], decode_log: Path, deadline: float
+) -> tuple[float, float]:
+    """Seconds until P, D and the front answer ``/health``, then until D says it handshook
+    with P at start (``prefill_peers``: no request then pays for a handshake)."""
+    t0 = time.perf_counter()
+    # The proxy's /health answers 200 once P's and D's do; vllm-router's as soon as it runs.
+    for name in ("prefill", "decode", "proxy"):
+        wait_healthy(servers, urls[name] + "/health", deadline)
+    early = f"early handshake with {urls['prefill_side']}: engine"
+    return time.perf_counter() - t0, wait_logged(servers, decode_log, early, deadline)
+
+
 def wait_logged(servers: list[Server], log: Path, text: str, deadline: float) -> float:
     """Seconds until ``text`` appears in ``log``; raises if a server exits or time runs out."""
     t0 = time.perf_counter()
@@ -419,14 +439,10 @@ def run_serve(
         t0 = time.perf_counter()
         servers, urls = start_pair(ref, transport, mode, work, hosts, router)
         deadline = time.perf_counter() + START_DEADLINE_S
-        # The proxy's /health answers 200 once P's and D's do; vllm-router's as soon as it runs.
-        for name in ("prefill", "decode", "proxy"):
-            wait_healthy(servers, urls[name] + "/health", deadline)
-        timings["servers_ready_s"] = time.perf_counter() - t0
-        # D handshakes with P at start (prefill_peers), so no request pays for it: D's
-        # handshake counter stays at 0 (checked by the tests).
-        early = f"early handshake with {urls['prefill_side']}: engine"
-        timings["early_handshake_wait_s"] = wait_logged(servers, logs["decode"], early, deadline)
+        # D's handshake counter then stays at 0 (checked by the tests).
+        _, early = wait_ready(servers, urls, logs["decode"], deadline)
+        timings["servers_ready_s"] = time.perf_counter() - t0 - early
+        timings["early_handshake_wait_s"] = early
         log(f"P, D and the {router} ready in {timings['servers_ready_s']:.1f} s at {urls['proxy']}")
 
         client = client_of(urls["proxy"])
