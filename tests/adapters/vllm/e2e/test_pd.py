@@ -38,13 +38,16 @@ RUNS = [
 ]
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX (bf16 tiles): recorded with each run, since vLLM's CPU bf16
-    kernels round differently with and without it."""
+def cpu_bf16_isa() -> str:
+    """The CPU's bf16 instructions, recorded with each run since vLLM's CPU bf16 kernels round
+    differently with each: ``"amx"`` (bf16 tiles), ``"avx512_bf16"`` or ``"none"``."""
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+        flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
-        return False
+        return "none"
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else "none"
 
 
 #: The bf16 cases compare a split computation (P prefills N-1 tokens, D computes the rest) with
@@ -63,7 +66,7 @@ def test_pd_matches_single_instance(
     # Distinct side-channel ports per run: a killed P's port may linger in TIME_WAIT.
     offset = 10 * RUNS.index((name, transport))
     summary = run_pair(ref, transport, port_p=5700 + offset, port_d=5800 + offset)
-    summary["amx"] = cpu_has_amx()
+    summary["bf16_isa"] = cpu_bf16_isa()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"pd-{name}-{transport}.json").write_text(json.dumps(summary, indent=1))
 
