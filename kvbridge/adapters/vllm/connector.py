@@ -54,8 +54,7 @@ from kvbridge.adapters.vllm.prom_metrics import KVBridgePromMetrics
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.transpose import transpose_received
-from kvbridge.control.plane import ControlPlane, Mode, TransferParams
-from kvbridge.control.requests import RankAddress, rank_engine_id
+from kvbridge.control.requests import Mode, RankAddress, TransferParams, rank_engine_id
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport, load_transport_class
@@ -69,6 +68,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from kvbridge.control.plane import ControlPlane
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -538,6 +539,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             options.setdefault(transport_cls.host_option, self.options.host)
         # Through the module's ``load_transport``: the e2e fault injection wraps it there.
         transport = load_transport(self.options.transport, **options)
+        # Imported here: the scheduler process loads this module too and needs no zmq plane.
+        from kvbridge.control.plane import ControlPlane
+
         self.plane = ControlPlane(
             Layout(spec), transport, engine_id=rank_engine_id(self.engine_id, tp_rank, tp_size),
             host=self.options.host,

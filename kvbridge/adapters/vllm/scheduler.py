@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.control.plane import Mode, TransferParams
-from kvbridge.control.requests import RankAddress
+from kvbridge.control.requests import Mode, RankAddress, TransferParams
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 

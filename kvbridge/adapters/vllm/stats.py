@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvbridge.control.plane import RequestStats
+from kvbridge.control.requests import RequestStats
 
 #: Per-transfer series kept in ``data`` (plain lists: the payload crosses processes).
 SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "handshake_s")
