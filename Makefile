@@ -79,7 +79,7 @@ $(STAMP33): $(STAMP)
 # The adapter against vLLM 0.33's Python layer (no engine: 0.33 has no CPU kernels).
 test-vllm033: $(STAMP33)
 	$(VENV33)/bin/python -c "import vllm; v = vllm.__version__; assert v.startswith('0.33'), v"
-	VLLM_TARGET_DEVICE=cpu $(VENV33)/bin/python -m pytest -q -m "not e2e" tests/adapters/vllm tests/test_bench.py -k "not e2e"
+	VLLM_TARGET_DEVICE=cpu $(VENV33)/bin/python -m pytest -q -m "not e2e" tests/adapters/vllm tests/test_vllm_planning.py -k "not e2e"
 
 # End-to-end runs on real vLLM engines (models x transports x modes, a served deployment): slow.
 test-e2e: $(STAMP)
@@ -106,13 +106,15 @@ soak: $(STAMP)
 
 # Regenerate the shipped example layouts (a test checks they match the generator).
 examples: $(STAMP)
-	$(BIN)/python -c "from pathlib import Path; from kvbridge.example_layouts import write_examples; write_examples(Path('examples'))"
+	$(BIN)/python -c "from pathlib import Path; from kvbridge.workloads.layouts import write_examples; write_examples(Path('examples'))"
 
 clean:
 	rm -rf $(VENV) $(VENV33) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
 
 # Benchmarks (kvbridge bench): `make bench` prints the tables; `make bench-docs` reruns the
 # published run and regenerates README.md's "Benchmark results" section and the charts in docs/.
+# kvbridge beside vLLM's own Mooncake planning code is a script of the tree, not a subcommand:
+# $(BIN)/python benchmarks/vllm_planning.py --help
 .PHONY: bench bench-docs
 
 bench: $(STAMP)

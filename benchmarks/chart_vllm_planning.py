@@ -1,4 +1,4 @@
-"""Draw ``docs/bench-vllm-planning.png`` from a ``kvbridge bench vllm-planning`` JSON.
+"""Draw ``docs/bench-vllm-planning.png`` from a ``benchmarks/vllm_planning.py --output`` JSON.
 
     .venv/bin/python benchmarks/chart_vllm_planning.py docs/bench-vllm-planning.json
 

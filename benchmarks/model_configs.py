@@ -1,8 +1,9 @@
 """The models behind the benchmark shapes: fields of their public ``config.json``, by model.
 
 Only the fields that decide the KV cache are kept. ``derived_shape`` turns them into the numbers
-``kvbridge.model_shapes`` uses, and ``differences`` compares the two, so a shape cannot drift from
-its model unnoticed (``python benchmarks/model_configs.py``; ``tests/test_bench.py`` runs it too).
+``kvbridge.workloads.shapes`` uses, and ``differences`` compares the two, so a shape cannot drift
+from its model unnoticed (``python benchmarks/model_configs.py``; ``tests/test_bench.py`` runs it
+too).
 The cache dtype is the model's ``torch_dtype`` (vLLM's default ``kv_cache_dtype="auto"``).
 """
 
@@ -103,8 +104,8 @@ def derived_shape(name: str) -> dict[str, Any]:
 
 
 def differences(name: str) -> list[str]:
-    """Fields where ``kvbridge.model_shapes`` disagrees with the model's config."""
-    from kvbridge.model_shapes import SHAPES
+    """Fields where ``kvbridge.workloads.shapes`` disagrees with the model's config."""
+    from kvbridge.workloads.shapes import SHAPES
 
     kv_shape = SHAPES[name]
     problems = []
@@ -116,7 +117,7 @@ def differences(name: str) -> list[str]:
         else:
             mine = getattr(kv_shape, field)
         if mine != value:
-            problems.append(f"{field}: config gives {value}, model_shapes has {mine}")
+            problems.append(f"{field}: config gives {value}, kvbridge.workloads.shapes has {mine}")
     return problems
 
 

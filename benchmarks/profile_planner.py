@@ -14,7 +14,7 @@ import numpy as np
 
 from kvbridge.bench.cases import CASES, PATTERNS, pool_size, request_ids
 from kvbridge.core import plan_transfers
-from kvbridge.model_shapes import bump_allocator
+from kvbridge.workloads.shapes import bump_allocator
 
 
 def main() -> None:

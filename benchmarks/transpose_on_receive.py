@@ -4,7 +4,7 @@
         [--layers 8] [--tokens 1024 4096 16384] [--layouts LBNHC:LBHNC LBNHC:LHBNC LBHNC:LBNHC]
 
 vLLM's own functions configure and allocate both workers' caches on the CPU (as
-``kvbridge bench vllm-planning`` does), a request's blocks are scattered over the pool, and for
+``benchmarks/vllm_planning.py`` does), a request's blocks are scattered over the pool, and for
 each pair of layouts one run prints, side by side:
 
 * ``descriptors``: what kvbridge submits (the source's order into the destination's blocks),
@@ -23,17 +23,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvbridge.adapters.vllm.layout import build_layout_spec
 from kvbridge.adapters.vllm.transpose import transpose_received
-from kvbridge.bench.vllm_planning import allocate, block_sizes, kv_cache_config
 from kvbridge.core import Layout, plan_transfers
 from kvbridge.core.transpose import received_transposes
-from kvbridge.model_shapes import SHAPES
+from kvbridge.workloads.shapes import SHAPES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, run as a script
+
+from benchmarks.vllm_planning import allocate, block_sizes, kv_cache_config
 
 
 def _median_ms(fn: object, runs: int = 5) -> float:

@@ -18,17 +18,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvbridge.bench import add_parser as add_bench_parser
+from kvbridge.cli_errors import CliError
 from kvbridge.core.errors import KvbridgeError, TransportNotFoundError, TransportUnavailableError
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.registry import available_transports, load_transport_class
 from kvbridge.core.transport import TransferOp
 from kvbridge.core.transpose import received_transposes
-from kvbridge.model_shapes import SHAPES
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
+from kvbridge.workloads.shapes import SHAPES
 
 
 def _version() -> str:
@@ -222,8 +219,8 @@ def _check_demo_request(args: argparse.Namespace) -> None:
     """Refuse, before any process starts, a shape or request the demo cannot build."""
     import numpy as np
 
-    from kvbridge.example_layouts import PoolExhaustedError, request_block_ids
-    from kvbridge.model_shapes import bump_allocator, layout_spec
+    from kvbridge.workloads.layouts import PoolExhaustedError, request_block_ids
+    from kvbridge.workloads.shapes import bump_allocator, layout_spec
 
     if args.shape not in SHAPES:
         raise CliError(

@@ -29,8 +29,8 @@ from kvbridge.core.boundary import remote_prefill_token_count
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.registry import load_transport
-from kvbridge.example_layouts import request_block_ids
-from kvbridge.model_shapes import SHAPES, layout_spec
+from kvbridge.workloads.layouts import request_block_ids
+from kvbridge.workloads.shapes import SHAPES, layout_spec
 
 PAGE = 4096
 REQUEST_ID = "demo-request-0"

@@ -17,7 +17,7 @@ from kvbridge.bench.transfer import MODES, balanced_orders
 from kvbridge.cli import main
 from kvbridge.core import plan_transfers
 from kvbridge.core.registry import available_transports
-from kvbridge.model_shapes import bump_allocator
+from kvbridge.workloads.shapes import bump_allocator
 
 from .core.reference import minimum_descriptor_count, reference_descriptors
 
@@ -112,64 +112,6 @@ def test_bad_options_are_one_line_errors(capsys):
     assert "unknown shape" in capsys.readouterr().err
     assert main(["bench", "transfer", "--transports", "nope"]) == 2
     assert "no transport named 'nope'" in capsys.readouterr().err
-
-
-def _byte_map(src, dst, lengths):
-    """Every byte a plan moves as (source address, destination address), sorted by source."""
-    src, dst, n = (np.asarray(a, dtype=np.int64) for a in (src, dst, lengths))
-    offsets = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    s, d = np.repeat(src, n) + offsets, np.repeat(dst, n) + offsets
-    order = np.argsort(s, kind="stable")
-    return s[order], d[order]
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("shape", "layout"),
-    [("llama3-70b-dense", "LBHNC"), ("deepseek-mla", "BLHNC"), ("qwen3.5-hybrid", "LBHNC")],
-)
-def test_vllm_planning_moves_the_bytes_vllms_own_mooncake_planner_moves(shape, layout):
-    """One tiny cell per shape: kvbridge's plan and vLLM's Mooncake connector's transfers, on
-    the same vLLM-allocated views and block ids, move the same bytes to the same places."""
-    pytest.importorskip("vllm", reason="vLLM is not installed")
-    from kvbridge.bench.vllm_planning import (
-        VLLM_SHAPES,
-        layer_unit,
-        measure_cells,
-        measure_layers,
-        pool_blocks,
-    )
-
-    model = VLLM_SHAPES[shape]
-    layers, tokens = max(2, layer_unit(model)), 700
-    setup, [m] = measure_layers(
-        model, layout, layers, pool_blocks(model, tokens), tokens, ["runs"], runs=1, seed=3
-    )
-    assert setup.layers == layers and m.kvbridge_ms > 0 and m.vllm_ms > 0
-    plan, (v_src, v_dst, v_len) = m.plan, m.vllm
-    k_src, k_dst = _byte_map(plan.src, plan.dst, plan.lengths)
-    v_src_b, v_dst_b = _byte_map(v_src, v_dst, v_len)
-    assert np.all(np.diff(k_src) > 0) and np.all(np.diff(v_src_b) > 0)  # no byte read twice
-    if model.is_hybrid:
-        # vLLM copies a GDN layer's whole page, padding included; kvbridge only its states.
-        at = np.searchsorted(v_src_b, k_src)
-        assert np.array_equal(v_src_b[at], k_src) and np.array_equal(v_dst_b[at], k_dst)
-        gdn_layers = layers - layers // model.full_attention_interval
-        padding = 2 * model.attention_bytes_per_token * 544 - (
-            model.conv_state_bytes + model.ssm_state_bytes
-        )
-        assert sum(v_len) == plan.nbytes + gdn_layers * padding
-    else:
-        assert sum(v_len) == plan.nbytes
-        assert np.array_equal(k_src, v_src_b) and np.array_equal(k_dst, v_dst_b)
-        assert plan.count <= len(v_len)  # kvbridge merges to the minimum
-    # the row the benchmark reports for the same cell says the same
-    [row] = measure_cells(
-        shape, layout, tokens, ["runs"], runs=1, max_layers=layers, estimate=False, seed=3
-    )
-    assert row.refused is None and row.fit_layers is None
-    assert row.vllm_bytes - row.kvbridge_bytes == sum(v_len) - plan.nbytes
-    assert row.same_ranges is not model.is_hybrid and row.vllm_covers_kvbridge
 
 
 def test_the_terminal_tables_show_brackets_as_written():

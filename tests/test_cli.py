@@ -17,8 +17,8 @@ from kvbridge import cli
 from kvbridge.cli import main
 from kvbridge.core import Layout, plan_transfers
 from kvbridge.core.registry import TransportInfo
-from kvbridge.example_layouts import example_files
-from kvbridge.model_shapes import SHAPES
+from kvbridge.workloads.layouts import example_files
+from kvbridge.workloads.shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -3,8 +3,11 @@
 ``kvbridge bench planning`` times planning one request per model shape, request size and
 block-id pattern; ``kvbridge bench transfer`` moves a request between two processes through
 every usable transport, beside the raw engine call and memcpy; ``kvbridge bench`` runs both.
-``kvbridge bench vllm-planning`` (needs vLLM) plans requests with kvbridge and with vLLM's own
-Mooncake connector code on the same vLLM-allocated caches and block ids, per vLLM KV layout.
+Both go through kvbridge's own API only.
+
+Planning beside vLLM's own Mooncake connector code (on the same vLLM-allocated caches and block
+ids, per vLLM KV layout) builds vLLM's private worker by hand, so it is a script of the source
+tree, not a subcommand: ``python benchmarks/vllm_planning.py --help`` (needs vLLM; see the README).
 """
 
 from __future__ import annotations
@@ -25,17 +28,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kvbridge
 from kvbridge.bench.cases import CASES, PATTERN_HELP, PATTERNS
 from kvbridge.bench.report import grids, targets
-from kvbridge.bench.vllm_planning import (
-    VLLM_LAYOUTS,
-    VLLM_PATTERN_HELP,
-    VLLM_PATTERNS,
-    VLLM_SHAPES,
-)
+from kvbridge.cli_errors import CliError
 from kvbridge.core.registry import available_transports
 
 DEFAULT_TOKENS = (1024, 8192, 32768, 131072)
-#: vLLM's physical KV cache layouts (``KVCacheLayout``), spelled out so the parser needs no vLLM.
-ALL_VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 
 class BenchUsageError(ValueError):
@@ -51,19 +47,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "what", nargs="?", choices=["all", "planning", "transfer", "vllm-planning"],
-        default="all",
-        help="which benchmark to run (default: all = planning and transfer)",
+        "what", nargs="?", choices=["all", "planning", "transfer"], default="all",
+        help="which benchmark to run (default: all = planning and transfer; beside vLLM's own "
+        "planning code: python benchmarks/vllm_planning.py in a source tree)",
     )  # fmt: skip
     p.add_argument(
         "--shapes", nargs="+", default=None, metavar="SHAPE",
-        help=f"model shapes (default: all): {', '.join(CASES)} (vllm-planning: "
-        f"{', '.join(VLLM_SHAPES)})",
+        help=f"model shapes (default: all): {', '.join(CASES)}",
     )  # fmt: skip
     p.add_argument(
         "--layers", type=int, default=None, metavar="N",
-        help="keep only the first N layers of each model (quicker, smaller runs; vllm-planning: "
-        "at most N)",
+        help="keep only the first N layers of each model (quicker, smaller runs)",
     )  # fmt: skip
     plan = p.add_argument_group("planning")
     plan.add_argument(
@@ -71,10 +65,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="prompt lengths to plan (default: 1k 8k 32k 128k)",
     )  # fmt: skip
     plan.add_argument(
-        "--patterns", nargs="+", choices=list(dict.fromkeys(PATTERNS + VLLM_PATTERNS)),
-        default=None,
-        help=f"{PATTERN_HELP} (default: these three). vllm-planning: {VLLM_PATTERN_HELP} "
-        "(default: these three)",
+        "--patterns", nargs="+", choices=list(PATTERNS), default=None,
+        help=f"{PATTERN_HELP} (default: these three)",
     )  # fmt: skip
     plan.add_argument(
         "--plan-runs", type=int, default=7, metavar="N",
@@ -102,24 +94,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="timed repetitions of each way of moving it, after a verified warm-up (default 8)",
     )  # fmt: skip
     move.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
-    vp = p.add_argument_group("vllm-planning (--tokens and --patterns above also apply)")
-    vp.add_argument(
-        "--layouts", nargs="+", choices=ALL_VLLM_LAYOUTS, default=list(VLLM_LAYOUTS),
-        help=f"vLLM KV cache layouts (default: {' '.join(VLLM_LAYOUTS)})",
-    )  # fmt: skip
-    vp.add_argument(
-        "--vllm-runs", type=int, default=5, metavar="N",
-        help="timed runs per planner and cell, median reported (default 5)",
-    )  # fmt: skip
-    vp.add_argument(
-        "--memory-gib", type=float, default=6.0, metavar="GIB",
-        help="most cache memory per worker (P and D each); bigger cells measure fewer layers and "
-        "estimate the model's time from two layer counts (default 6)",
-    )  # fmt: skip
-    vp.add_argument(
-        "--no-estimate", action="store_true",
-        help="measure cells cut to fewer layers once only, without the full-model estimate",
-    )  # fmt: skip
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON, no tables")
     out.add_argument("--output", type=Path, default=None, help="also write the JSON to a file")
@@ -128,7 +102,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _machine() -> dict[str, Any]:
+def machine_info() -> dict[str, Any]:
+    """The machine a run measured (the results document's ``machine``)."""
     import numpy
 
     return {
@@ -160,8 +135,7 @@ def _transports(requested: Sequence[str] | None) -> tuple[list[str], list[dict[s
 
 def _check(args: argparse.Namespace) -> None:
     """Validate the options, filling in the defaults that depend on the benchmark."""
-    vllm = args.what == "vllm-planning"
-    shapes, patterns = (VLLM_SHAPES, VLLM_PATTERNS) if vllm else (CASES, PATTERNS)
+    shapes, patterns = CASES, PATTERNS
     if args.shapes is None:
         args.shapes = list(shapes)
     if args.patterns is None:
@@ -174,8 +148,6 @@ def _check(args: argparse.Namespace) -> None:
         raise BenchUsageError(
             f"pattern(s) {wrong} are not {args.what}'s; choose from {', '.join(patterns)}"
         )
-    if vllm and (args.vllm_runs < 1 or args.memory_gib <= 0):
-        raise BenchUsageError("--vllm-runs and --memory-gib must be positive")
     if any(t < 1 for t in args.tokens) or args.plan_runs < 1 or args.reps < 1:
         raise BenchUsageError("--tokens, --plan-runs and --reps must be positive")
     if args.plan_seconds < 0:
@@ -187,7 +159,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 @contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
+def progress(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
     """A progress bar on stderr (stdout stays for the tables or JSON); ``advance(what)``."""
     console = Console(stderr=True)
     bar = Progress(
@@ -222,12 +194,6 @@ def command_line(args: argparse.Namespace) -> str:
         if args.transports is not None:
             words += ["--transports", *args.transports]
         words += ["--transfer-mib", f"{args.transfer_mib:g}", "--reps", str(args.reps)]
-    if args.what == "vllm-planning":
-        words += ["--tokens", *map(str, args.tokens), "--patterns", *args.patterns]
-        words += ["--layouts", *args.layouts, "--vllm-runs", str(args.vllm_runs)]
-        words += ["--memory-gib", f"{args.memory_gib:g}"]
-        if args.no_estimate:
-            words.append("--no-estimate")
     return shlex.join(words)
 
 
@@ -240,15 +206,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "kvbridge": kvbridge.__version__,
         "command": command_line(args),
-        "machine": _machine(),
+        "machine": machine_info(),
         "planning": None,
         "transfer": None,
     }
     total = 0
     if args.what in ("all", "planning"):
         total += len(args.shapes) * len(args.tokens) * len(args.patterns)
-    if args.what == "vllm-planning":
-        total += len(args.shapes) * len(args.layouts) * len(args.tokens) * len(args.patterns)
     settings = None
     if args.what in ("all", "transfer"):
         names, skipped = _transports(args.transports)
@@ -258,7 +222,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             reps=args.reps, num_layers=args.layers, timeout=args.timeout,
         )  # fmt: skip
         total += transfer_steps(settings)
-    with _progress(total, enabled=True) as advance:
+    with progress(total, enabled=True) as advance:
         if args.what in ("all", "planning"):
             doc["planning"] = run_planning(
                 args.shapes, args.tokens, args.patterns, num_layers=args.layers,
@@ -267,26 +231,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
         if settings is not None:
             doc["transfer"] = run_transfer(settings, advance)
-        if args.what == "vllm-planning":
-            doc["vllm_planning"] = _run_vllm_planning(args, advance)
     return doc
-
-
-def _run_vllm_planning(args: argparse.Namespace, advance: Callable[[str], None]) -> dict[str, Any]:
-    try:
-        from kvbridge.bench.vllm_planning import run_vllm_planning
-
-        return run_vllm_planning(
-            args.shapes, args.tokens, args.patterns, args.layouts, runs=args.vllm_runs,
-            memory_gib=args.memory_gib, max_layers=args.layers, estimate=not args.no_estimate,
-            advance=advance,
-        )  # fmt: skip
-    except ModuleNotFoundError as err:
-        if (err.name or "").split(".")[0] not in ("vllm", "torch"):
-            raise
-        raise BenchUsageError(
-            f"vllm-planning needs vLLM (and torch) installed: {err}; see the README"
-        ) from None
 
 
 def print_results(doc: dict[str, Any], console: Console, markdown: bool = False) -> None:
@@ -312,8 +257,6 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     try:
         doc = run_bench(args)
     except (BenchUsageError, BenchError) as err:
-        from kvbridge.cli import CliError
-
         raise CliError(str(err)) from None
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,8 @@ import numpy as np
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
-from kvbridge.example_layouts import draw_request_ids, fragmented_pool
-from kvbridge.model_shapes import (
+from kvbridge.workloads.layouts import draw_request_ids, fragmented_pool
+from kvbridge.workloads.shapes import (
     DEEPSEEK_MLA,
     GPT_OSS_SLIDING,
     LLAMA3_DENSE,
@@ -114,7 +114,7 @@ def request_ids(
     order: Callable[[str, int, np.random.Generator], list[int]] = pool_order,
 ) -> BlockIds:
     """Block ids one engine holds for a request's remote-prefilled tokens
-    (``kvbridge.example_layouts.draw_request_ids``); ``order`` lists the pool's free ids for
+    (``kvbridge.workloads.layouts.draw_request_ids``); ``order`` lists the pool's free ids for
     ``pattern``."""
     pool = order(pattern, min(g.num_blocks for g in layout.groups.values()), rng)
     return draw_request_ids(layout, prompt_tokens, pool)

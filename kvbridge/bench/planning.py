@@ -16,7 +16,7 @@ import numpy.typing as npt
 from kvbridge.bench.cases import CASES, BenchCase, load_source_module, pool_size, request_ids
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import plan_transfers
-from kvbridge.model_shapes import bump_allocator
+from kvbridge.workloads.shapes import bump_allocator
 
 #: Where the reference planner the core tests check against lives, in the source tree.
 REFERENCE_PATH = "tests/core/reference.py"

@@ -144,77 +144,12 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
     return Grid(title, headers, rows, notes, left=(0, 1))
 
 
-def _same_bytes(r: dict[str, Any]) -> str:
-    """How the two planners' byte ranges compare: ``=``, vLLM's extra bytes, or ``✗``."""
-    if r["same_ranges"]:
-        return "="
-    if r["vllm_covers_kvbridge"]:
-        return f"vLLM +{r['vllm_bytes'] - r['kvbridge_bytes']:,} B"
-    return "✗"
-
-
-def _speedup(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.1f}x"
-
-
-def vllm_planning_grid(doc: dict[str, Any]) -> Grid:
-    """One row per shape, layout, request size and block-id pattern; refusals as notes."""
-    rows = []
-    reasons: dict[str, int] = {}
-    for r in doc["results"]:
-        head = [r["shape"], r["layout"], r["pattern"], _tokens(r["tokens"])]
-        if r["refused"]:
-            mark = reasons.setdefault(r["refused"], len(reasons) + 1)
-            rows.append([*head, "-", "-", f"refused ({mark})", *["-"] * 11])
-            continue
-        layers = str(r["layers"]) + (
-            "" if r["layers"] == r["model_layers"] else f"/{r['model_layers']}"
-        )
-        rows.append(
-            [
-                *head, layers, f"{r['blocks']:,}", _num(r["kvbridge_ms"], 3),
-                _num(r["vllm_ms"], 3), _speedup(r["speedup"]), f"{r['kvbridge_descriptors']:,}",
-                f"{r['vllm_transfers']:,}", _same_bytes(r), _num(r["layout_build_ms"], 2),
-                _num(r.get("kvbridge_first_ms"), 2), _num(r["vllm_prepare_ms"], 2),
-                _num(r["kvbridge_ms_model"], 2), _num(r["vllm_ms_model"], 2),
-                _speedup(r["speedup_model"]),
-            ]
-        )  # fmt: skip
-    s = doc["settings"]
-    notes = [
-        f"Same vLLM-allocated caches (vLLM {s['vllm']}, CPU) and block ids for both planners. "
-        f"kvbridge: median `plan_transfers` (checks on); vLLM: median of what its Mooncake "
-        "connector's P worker runs per request (`_prepare_transfer_regions` cache hit, "
-        "`_validate_asymmetric_region_lengths`, `_build_transfer_params`), both over "
-        f"{s['runs']} interleaved runs. speedup: vLLM ms / kvbridge ms. desc./transfers: "
-        "(src, dst, length) entries each hands the engine. bytes: = identical byte ranges "
-        "after merging; vLLM +N B: vLLM's ranges hold kvbridge's and N more (a GDN page's "
-        "padding). layout ms: `Layout(build_layout_spec(...))`, once per worker. Once per peer: "
-        "kvbridge 1st ms, the first request's `plan_transfers` (it builds what it keeps per "
-        "pair of layouts); vLLM prep. ms, its uncached `_prepare_transfer_regions` (alignment "
-        "and coalescing of regions), before the request's own planning.",
-        f"layers: measured/model layers where a worker's caches would exceed "
-        f"{s['memory_gib']:g} GiB; there the model's time (model ms) is estimated from a "
-        "second run at one layer unit, as fixed cost plus cost per layer.",
-        *[f"({n}) {reason}" for reason, n in reasons.items()],
-    ]
-    headers = [
-        "shape", "layout", "ids", "tokens", "layers", "blocks", "kvbridge ms", "vLLM ms",
-        "speedup", "kvbridge desc.", "vLLM transfers", "bytes", "layout ms", "kvbridge 1st ms",
-        "vLLM prep. ms",
-        "kvbridge model ms", "vLLM model ms", "model speedup",
-    ]  # fmt: skip
-    title = "Planning one request: kvbridge beside vLLM's Mooncake connector"
-    return Grid(title, headers, rows, notes, left=(0, 1, 2))
-
-
 def grids(doc: dict[str, Any]) -> list[Grid]:
     """Every table a results document has, in reading order."""
     makers: list[tuple[str, Callable[[dict[str, Any]], Grid]]] = [
         ("planning", planning_grid),
         ("planning", growth_grid),
         ("transfer", transfer_grid),
-        ("vllm_planning", vllm_planning_grid),
     ]
     return [make(doc[key]) for key, make in makers if doc.get(key)]
 

@@ -48,7 +48,7 @@ from kvbridge.core.registry import load_transport
 from kvbridge.core.tp import plan_tp_pair
 from kvbridge.core.transport import TransferOp, Transport
 from kvbridge.demo import Arena
-from kvbridge.model_shapes import bump_allocator
+from kvbridge.workloads.shapes import bump_allocator
 
 MODES = ("kvbridge", "verify-sample", "verify-full", "transport", "raw", "memcpy")
 #: The raw engine baseline, in the source tree: what kvbridge is measured against.

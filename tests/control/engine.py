@@ -29,8 +29,8 @@ from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import KVLayout
 from kvbridge.demo import AddressMap, Arena
-from kvbridge.model_shapes import ModelShape, layout_spec
 from kvbridge.testing.reply_stream import take_stdout
+from kvbridge.workloads.shapes import ModelShape, layout_spec
 from tests.core.tp_layouts import build_rank
 from tests.core.tp_reference import TPModel, reference_tp
 

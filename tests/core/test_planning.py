@@ -252,8 +252,8 @@ def test_merge_descriptors_finds_runs_in_any_order():
 def test_hybrid_with_storage_shared_across_groups_matches_reference(seed, kernel):
     # As vLLM lays out a hybrid model: layer i of every group shares one tensor, and the groups
     # draw their block ids from one pool, so pages of different groups sit side by side.
-    from kvbridge.example_layouts import fragmented_pool
-    from kvbridge.model_shapes import ModelShape, layout_spec
+    from kvbridge.workloads.layouts import fragmented_pool
+    from kvbridge.workloads.shapes import ModelShape, layout_spec
 
     shape = ModelShape(
         name="small-hybrid", source="test", num_layers=8, num_kv_heads=1, head_dim=8,

@@ -11,7 +11,7 @@ import numpy as np
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
-from kvbridge.model_shapes import SHAPES, ModelShape, bump_allocator, layout_spec
+from kvbridge.workloads.shapes import SHAPES, ModelShape, bump_allocator, layout_spec
 
 PROMPT_TOKENS = 4096
 PREFILL_BLOCKS = 4096

@@ -1,5 +1,17 @@
 """kvbridge's planner beside vLLM's own Mooncake planning code, on the same caches and block ids.
 
+    .venv/bin/python benchmarks/vllm_planning.py [--shapes ...] [--layouts LBHNC BLHNC]
+        [--tokens 1024 8192 32768 131072] [--patterns contiguous runs random] [--vllm-runs 5]
+        [--memory-gib 6] [--layers N] [--no-estimate] [--json] [--output FILE] [--markdown]
+
+(or ``python -m benchmarks.vllm_planning ...`` from the repository root). Needs vLLM (the CPU
+build will do). A script of the source tree, not part of the ``kvbridge`` package: it builds
+vLLM's Mooncake worker from its private attributes, which any vLLM release may change, so it
+lives beside the tests that pin the vLLM versions it runs with (``tests/test_vllm_planning.py``,
+also run against vLLM 0.33 by ``make test-vllm033``). It prints a table (rich or Markdown) or
+the JSON ``benchmarks/chart_vllm_planning.py`` draws; ``kvbridge bench`` measures planning and
+transfers through kvbridge's own API.
+
 For each model shape, vLLM KV cache layout, request size and block-id pattern, vLLM's own code
 configures and allocates the caches of two workers (P and D) on the CPU
 (``get_kv_cache_groups``, ``get_kv_cache_config_from_groups`` with ``cache_config.kv_cache_layout``
@@ -46,23 +58,30 @@ both planners fuse every layer of a block into one region, so the cost hardly de
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
+import json
+import shlex
 import statistics
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.bench import cases
+import kvbridge
+from kvbridge.bench import cases, machine_info, progress
+from kvbridge.bench.report import Grid
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, merge_descriptors, plan_transfers
-from kvbridge.model_shapes import (
+from kvbridge.workloads.shapes import (
     DEEPSEEK_MLA,
     LLAMA3_DENSE,
     QWEN35_HYBRID,
@@ -78,6 +97,10 @@ VLLM_SHAPES: dict[str, ModelShape] = {
 }
 #: vLLM physical KV cache layouts compared (``vllm.v1.kv_cache_layout.KVCacheLayout`` names).
 VLLM_LAYOUTS = ("LBHNC", "BLHNC")
+#: Every physical layout vLLM has (``KVCacheLayout``), spelled out so the parser needs no vLLM.
+ALL_VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: Request sizes measured by default.
+DEFAULT_TOKENS = (1024, 8192, 32768, 131072)
 #: How a request's block ids lie in the pool.
 VLLM_PATTERNS = ("contiguous", "runs", "random")
 VLLM_PATTERN_HELP = (
@@ -828,3 +851,202 @@ def run_vllm_planning(
         },
         "results": [r.to_dict() for r in rows],
     }
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def _same_bytes(r: dict[str, Any]) -> str:
+    """How the two planners' byte ranges compare: ``=``, vLLM's extra bytes, or ``✗``."""
+    if r["same_ranges"]:
+        return "="
+    if r["vllm_covers_kvbridge"]:
+        return f"vLLM +{r['vllm_bytes'] - r['kvbridge_bytes']:,} B"
+    return "✗"
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}x"
+
+
+def vllm_planning_grid(doc: dict[str, Any]) -> Grid:
+    """One row per shape, layout, request size and block-id pattern; refusals as notes."""
+    rows = []
+    reasons: dict[str, int] = {}
+    for r in doc["results"]:
+        head = [r["shape"], r["layout"], r["pattern"], _tokens(r["tokens"])]
+        if r["refused"]:
+            mark = reasons.setdefault(r["refused"], len(reasons) + 1)
+            rows.append([*head, "-", "-", f"refused ({mark})", *["-"] * 11])
+            continue
+        layers = str(r["layers"]) + (
+            "" if r["layers"] == r["model_layers"] else f"/{r['model_layers']}"
+        )
+        rows.append(
+            [
+                *head, layers, f"{r['blocks']:,}", _num(r["kvbridge_ms"], 3),
+                _num(r["vllm_ms"], 3), _speedup(r["speedup"]), f"{r['kvbridge_descriptors']:,}",
+                f"{r['vllm_transfers']:,}", _same_bytes(r), _num(r["layout_build_ms"], 2),
+                _num(r.get("kvbridge_first_ms"), 2), _num(r["vllm_prepare_ms"], 2),
+                _num(r["kvbridge_ms_model"], 2), _num(r["vllm_ms_model"], 2),
+                _speedup(r["speedup_model"]),
+            ]
+        )  # fmt: skip
+    s = doc["settings"]
+    notes = [
+        f"Same vLLM-allocated caches (vLLM {s['vllm']}, CPU) and block ids for both planners. "
+        f"kvbridge: median `plan_transfers` (checks on); vLLM: median of what its Mooncake "
+        "connector's P worker runs per request (`_prepare_transfer_regions` cache hit, "
+        "`_validate_asymmetric_region_lengths`, `_build_transfer_params`), both over "
+        f"{s['runs']} interleaved runs. speedup: vLLM ms / kvbridge ms. desc./transfers: "
+        "(src, dst, length) entries each hands the engine. bytes: = identical byte ranges "
+        "after merging; vLLM +N B: vLLM's ranges hold kvbridge's and N more (a GDN page's "
+        "padding). layout ms: `Layout(build_layout_spec(...))`, once per worker. Once per peer: "
+        "kvbridge 1st ms, the first request's `plan_transfers` (it builds what it keeps per "
+        "pair of layouts); vLLM prep. ms, its uncached `_prepare_transfer_regions` (alignment "
+        "and coalescing of regions), before the request's own planning.",
+        f"layers: measured/model layers where a worker's caches would exceed "
+        f"{s['memory_gib']:g} GiB; there the model's time (model ms) is estimated from a "
+        "second run at one layer unit, as fixed cost plus cost per layer.",
+        *[f"({n}) {reason}" for reason, n in reasons.items()],
+    ]
+    headers = [
+        "shape", "layout", "ids", "tokens", "layers", "blocks", "kvbridge ms", "vLLM ms",
+        "speedup", "kvbridge desc.", "vLLM transfers", "bytes", "layout ms", "kvbridge 1st ms",
+        "vLLM prep. ms",
+        "kvbridge model ms", "vLLM model ms", "model speedup",
+    ]  # fmt: skip
+    title = "Planning one request: kvbridge beside vLLM's Mooncake connector"
+    return Grid(title, headers, rows, notes, left=(0, 1, 2))
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+class UsageError(ValueError):
+    """Options that cannot run; printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="benchmarks/vllm_planning.py",
+        description=(__doc__ or "").split("\n\n")[0].replace("``", ""),
+    )
+    p.add_argument(
+        "--shapes", nargs="+", choices=list(VLLM_SHAPES), default=list(VLLM_SHAPES),
+        metavar="SHAPE", help=f"model shapes (default: all): {', '.join(VLLM_SHAPES)}",
+    )  # fmt: skip
+    p.add_argument(
+        "--layers", type=int, default=None, metavar="N",
+        help="measure at most the first N layers of each model (quicker, smaller runs)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), metavar="N",
+        help="prompt lengths to plan (default: 1k 8k 32k 128k)",
+    )  # fmt: skip
+    p.add_argument(
+        "--patterns", nargs="+", choices=list(VLLM_PATTERNS), default=list(VLLM_PATTERNS),
+        help=f"{VLLM_PATTERN_HELP} (default: these three)",
+    )  # fmt: skip
+    p.add_argument(
+        "--layouts", nargs="+", choices=ALL_VLLM_LAYOUTS, default=list(VLLM_LAYOUTS),
+        help=f"vLLM KV cache layouts (default: {' '.join(VLLM_LAYOUTS)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--vllm-runs", type=int, default=5, metavar="N",
+        help="timed runs per planner and cell, median reported (default 5)",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-gib", type=float, default=6.0, metavar="GIB",
+        help="most cache memory per worker (P and D each); bigger cells measure fewer layers and "
+        "estimate the model's time from two layer counts (default 6)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-estimate", action="store_true",
+        help="measure cells cut to fewer layers once only, without the full-model estimate",
+    )  # fmt: skip
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the results as JSON, no table")
+    out.add_argument("--output", type=Path, default=None, help="also write the JSON to a file")
+    out.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.vllm_runs < 1 or args.memory_gib <= 0:
+        raise UsageError("--vllm-runs and --memory-gib must be positive")
+    if any(t < 1 for t in args.tokens):
+        raise UsageError("--tokens must be positive")
+    if args.layers is not None and args.layers < 1:
+        raise UsageError("--layers must be positive")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that repeats this run, every option spelled out."""
+    words = ["python", "benchmarks/vllm_planning.py", "--shapes", *args.shapes]
+    if args.layers is not None:
+        words += ["--layers", str(args.layers)]
+    words += ["--tokens", *map(str, args.tokens), "--patterns", *args.patterns]
+    words += ["--layouts", *args.layouts, "--vllm-runs", str(args.vllm_runs)]
+    words += ["--memory-gib", f"{args.memory_gib:g}"]
+    if args.no_estimate:
+        words.append("--no-estimate")
+    return shlex.join(words)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run what ``args`` asks for; the results document (what ``--json`` prints)."""
+    _check(args)
+    doc: dict[str, Any] = {
+        "kvbridge": kvbridge.__version__,
+        "command": command_line(args),
+        "machine": machine_info(),
+    }
+    total = len(args.shapes) * len(args.layouts) * len(args.tokens) * len(args.patterns)
+    with progress(total, enabled=True) as advance:
+        try:
+            doc["vllm_planning"] = run_vllm_planning(
+                args.shapes, args.tokens, args.patterns, args.layouts, runs=args.vllm_runs,
+                memory_gib=args.memory_gib, max_layers=args.layers,
+                estimate=not args.no_estimate, advance=advance,
+            )  # fmt: skip
+        except ModuleNotFoundError as err:
+            if (err.name or "").split(".")[0] not in ("vllm", "torch"):
+                raise
+            raise UsageError(f"needs vLLM (and torch) installed: {err}; see the README") from None
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    try:
+        doc = run(args)
+    except UsageError as err:
+        print(f"vllm_planning: error: {err}", file=sys.stderr)
+        return 2
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    grid = vllm_planning_grid(doc["vllm_planning"])
+    if args.markdown:
+        print(grid.markdown())
+    else:
+        Console().print(grid.rich())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
