@@ -27,6 +27,7 @@ from kvbridge.core.errors import (
     RegistrationError,
     TransferError,
     TransferTimeoutError,
+    TransportConflictError,
     TransportError,
     TransportNotFoundError,
     TransportUnavailableError,
@@ -34,6 +35,7 @@ from kvbridge.core.errors import (
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Part, Region
 from kvbridge.core.planning import TransferPlan, merge_descriptors, plan_transfers
+from kvbridge.core.registry import register_transport, unregister_transport
 from kvbridge.core.transport import (
     Fence,
     MemoryKind,
@@ -73,6 +75,7 @@ __all__ = [
     "TransferStatus",
     "TransferTimeoutError",
     "Transport",
+    "TransportConflictError",
     "TransportError",
     "TransportLimits",
     "TransportNotFoundError",
@@ -89,5 +92,7 @@ __all__ = [
     "plan_transfers",
     "prefill_token_count",
     "prepare_block_ids",
+    "register_transport",
     "remote_prefill_token_count",
+    "unregister_transport",
 ]

@@ -39,6 +39,11 @@ class TransportNotFoundError(TransportError, LookupError):
     """No transport is installed under the requested name."""
 
 
+class TransportConflictError(TransportError):
+    """Two transports claim one name: two installed distributions declare it, or a registration
+    would shadow an installed or registered one without ``replace=True``."""
+
+
 class TransportUnavailableError(TransportError, ImportError):
     """The transport is installed but its engine library cannot be loaded."""
 

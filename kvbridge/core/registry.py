@@ -1,14 +1,31 @@
-"""Discovery of transports through the entry-point group ``kvbridge.transports`` (stevedore)."""
+"""Transports by name: installed ones and ones registered in this process.
+
+Installed transports are entry points of the group ``kvbridge.transports``, read from the
+distributions' metadata (``importlib.metadata``) on every lookup, so a transport installed or
+removed since the last look is seen. Reading metadata imports nothing; ``load_transport(name)``
+imports only the plugin of ``name``, so a broken or heavy plugin under another name is never
+imported (``available_transports`` imports them all, to say which are usable).
+
+A name belongs to one distribution: when two distributions declare it, loading it is refused
+with both named (``TransportConflictError``). A distribution found twice on ``sys.path`` (an
+editable install and its source tree, say) counts once: the first found, as
+``importlib.metadata.entry_points`` does.
+
+``register_transport(name, cls)`` adds a transport class in this process only (a test's
+in-process transport, a wrapper that injects faults); it shadows an installed or registered name
+only with ``replace=True``. ``unregister_transport(name)`` takes it back.
+"""
 
 from __future__ import annotations
 
+import re
+import threading
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint, distributions
 from typing import Any
 
-from stevedore import ExtensionManager
-from stevedore.exception import NoMatches
-
 from kvbridge.core.errors import (
+    TransportConflictError,
     TransportError,
     TransportNotFoundError,
     TransportUnavailableError,
@@ -16,6 +33,21 @@ from kvbridge.core.errors import (
 from kvbridge.core.transport import Transport
 
 NAMESPACE = "kvbridge.transports"
+
+__all__ = [
+    "NAMESPACE",
+    "TransportInfo",
+    "available_transports",
+    "load_transport",
+    "load_transport_class",
+    "register_transport",
+    "transport_names",
+    "unregister_transport",
+]
+
+#: name -> class, registered in this process (``register_transport``); looked up first
+_registered: dict[str, type[Transport]] = {}
+_registered_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -28,35 +60,77 @@ class TransportInfo:
     reason: str = ""
 
 
-def _manager() -> ExtensionManager[Any]:
-    # Import failures are recorded, not raised: one broken plugin must not hide the others.
-    failures: dict[str, BaseException] = {}
+@dataclass(frozen=True)
+class _Installed:
+    """An entry point of the group and the distribution that declares it."""
 
-    def on_failure(_mgr: Any, ep: Any, err: BaseException) -> None:
-        failures[ep.name] = err
+    entry_point: EntryPoint
+    package: str  # "name version"
+    dist_key: str  # normalized distribution name
 
-    # stevedore keeps entry points per namespace for the life of the process; drop them so a
-    # transport installed (or removed) since the last look is seen. Its on-disk cache, keyed by
-    # sys.path and file times, still makes the lookup cheap.
-    ExtensionManager.ENTRY_POINT_CACHE.pop(NAMESPACE, None)
-    mgr: ExtensionManager[Any] = ExtensionManager(
-        namespace=NAMESPACE,
-        invoke_on_load=False,
-        on_load_failure_callback=on_failure,
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed() -> dict[str, list[_Installed]]:
+    """Every installed entry point of the group by name, each distribution counted once."""
+    found: dict[str, list[_Installed]] = {}
+    seen: set[str] = set()
+    for dist in distributions():  # in sys.path order
+        eps = dist.entry_points.select(group=NAMESPACE)
+        if not eps:
+            continue
+        dist_name = dist.metadata["Name"] or "?"
+        key = _normalize(dist_name)
+        if key in seen:  # the same distribution again, later on sys.path: the first one counts
+            continue
+        seen.add(key)
+        for ep in eps:
+            entries = found.setdefault(ep.name, [])
+            if all(e.dist_key != key for e in entries):
+                entries.append(_Installed(ep, f"{dist_name} {dist.version}", key))
+    return found
+
+
+def _conflict_message(name: str, entries: list[_Installed]) -> str:
+    who = " and ".join(f"{e.package} ({e.entry_point.value})" for e in entries)
+    return (
+        f"transport name {name!r} is declared by {len(entries)} distributions, {who}; uninstall "
+        f"all but one, or register the one to use with "
+        f"kvbridge.register_transport({name!r}, cls, replace=True)"
     )
-    mgr.kvbridge_failures = failures  # type: ignore[attr-defined]
-    return mgr
 
 
-def _entry_points() -> dict[str, Any]:
-    from importlib.metadata import entry_points
-
-    return {ep.name: ep for ep in entry_points(group=NAMESPACE)}
+def _describe_class(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _package_of(ep: Any) -> str:
-    dist = getattr(ep, "dist", None)
-    return f"{dist.name} {dist.version}" if dist is not None else "?"
+def _import_plugin(name: str, entry: _Installed) -> type[Transport]:
+    """The class an entry point names, imported now; only ``name``'s plugin is imported."""
+    try:
+        cls = entry.entry_point.load()
+    except Exception as err:
+        raise TransportUnavailableError(
+            f"transport {name!r} is installed ({entry.package}) but its plugin cannot be "
+            f"imported: {type(err).__name__}: {err}"
+        ) from err
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TransportError(
+            f"entry point {name!r} of {entry.package} does not name a kvbridge Transport: {cls!r}"
+        )
+    return cls
+
+
+def transport_names() -> list[str]:
+    """Names of every installed and registered transport, sorted; imports no plugin."""
+    return sorted(set(_installed()) | set(_registered))
+
+
+def _known_names() -> str:
+    registered = set(_registered)
+    names = [f"{n} (registered)" if n in registered else n for n in transport_names()]
+    return ", ".join(names) or "none"
 
 
 def _unavailable_reason(cls: type[Transport]) -> str | None:
@@ -68,45 +142,106 @@ def _unavailable_reason(cls: type[Transport]) -> str | None:
 
 
 def available_transports() -> list[TransportInfo]:
-    """Every transport installed in the entry-point group, usable or not, sorted by name."""
-    mgr = _manager()
-    eps = _entry_points()
-    loaded = {ext.name: ext.plugin for ext in mgr}
-    failures: dict[str, BaseException] = mgr.kvbridge_failures  # type: ignore[attr-defined]
+    """Every installed or registered transport, usable or not, sorted by name.
+
+    Imports every installed plugin (to ask each whether its engine loads); one that cannot be
+    imported is reported, not raised.
+    """
+    installed = _installed()
+    registered = dict(_registered)
     infos = []
-    for name in sorted(eps):
-        package = _package_of(eps[name])
-        if name in loaded:
-            reason = _unavailable_reason(loaded[name])
+    for name in sorted(set(installed) | set(registered)):
+        if name in registered:
+            cls = registered[name]
+            package = f"registered in this process ({_describe_class(cls)})"
+            reason = _unavailable_reason(cls)
             infos.append(TransportInfo(name, package, reason is None, reason or ""))
-        else:
-            err = failures.get(name)
-            infos.append(TransportInfo(name, package, False, f"cannot import plugin: {err}"))
+            continue
+        entries = installed[name]
+        package = ", ".join(e.package for e in entries)
+        if len(entries) > 1:
+            infos.append(TransportInfo(name, package, False, _conflict_message(name, entries)))
+            continue
+        try:
+            cls = _import_plugin(name, entries[0])
+        except TransportUnavailableError as err:
+            reason = f"cannot import plugin: {err.__cause__}"
+            infos.append(TransportInfo(name, package, False, reason))
+            continue
+        except TransportError as err:
+            infos.append(TransportInfo(name, package, False, str(err)))
+            continue
+        reason = _unavailable_reason(cls)
+        infos.append(TransportInfo(name, package, reason is None, reason or ""))
     return infos
 
 
 def load_transport_class(name: str) -> type[Transport]:
-    """The transport class installed under ``name``, checked for a usable engine."""
-    mgr = _manager()
-    failures: dict[str, BaseException] = mgr.kvbridge_failures  # type: ignore[attr-defined]
-    if name in failures:
-        raise TransportUnavailableError(
-            f"transport {name!r} is installed but its plugin cannot be imported: {failures[name]}"
-        )
-    try:
-        cls = mgr[name].plugin
-    except (KeyError, NoMatches):
-        installed = ", ".join(sorted(_entry_points())) or "none"
-        raise TransportNotFoundError(
-            f"no transport named {name!r}; installed transports: {installed}. "
-            f"A transport is a package that declares an entry point in the {NAMESPACE!r} group."
-        ) from None
-    if not (isinstance(cls, type) and issubclass(cls, Transport)):
-        raise TransportError(f"entry point {name!r} does not name a kvbridge Transport: {cls!r}")
+    """The transport class registered or installed under ``name``, checked for a usable engine.
+
+    Imports only that transport's plugin.
+    """
+    cls = _registered.get(name)
+    if cls is None:
+        entries = _installed().get(name)
+        if not entries:
+            raise TransportNotFoundError(
+                f"no transport named {name!r}; installed or registered transports: "
+                f"{_known_names()}. A transport is a package that declares an entry point in "
+                f"the {NAMESPACE!r} group, or a class given to kvbridge.register_transport"
+            )
+        if len(entries) > 1:
+            raise TransportConflictError(_conflict_message(name, entries))
+        cls = _import_plugin(name, entries[0])
     cls.check_available()
     return cls
 
 
 def load_transport(name: str, **options: Any) -> Transport:
-    """Instantiate the transport installed under ``name`` with keyword ``options``."""
+    """Instantiate the transport registered or installed under ``name`` with keyword ``options``."""
     return load_transport_class(name)(**options)
+
+
+def register_transport(name: str, cls: type[Transport], *, replace: bool = False) -> None:
+    """Make ``load_transport(name)`` build ``cls``, in this process only.
+
+    ``cls`` is a ``Transport`` subclass. A name that is installed or registered already is
+    refused (``TransportConflictError``) unless ``replace`` is True: the registered class then
+    shadows the installed one (or replaces the registered one) until ``unregister_transport``.
+    """
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"a transport name is a non-empty string without outer spaces: {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"register_transport({name!r}, ...) needs a Transport subclass: {cls!r}")
+    with _registered_lock:
+        if not replace:
+            old = _registered.get(name)
+            if old is not None:
+                raise TransportConflictError(
+                    f"transport {name!r} is registered already ({_describe_class(old)}); pass "
+                    "replace=True to replace it, or unregister_transport it first"
+                )
+            entries = _installed().get(name)
+            if entries:
+                packages = " and ".join(e.package for e in entries)
+                raise TransportConflictError(
+                    f"transport {name!r} is installed ({packages}); pass replace=True to shadow "
+                    "it in this process with the registered class"
+                )
+        _registered[name] = cls
+
+
+def unregister_transport(name: str) -> None:
+    """Forget a class ``register_transport`` registered; an installed one of the name returns.
+
+    Raises ``TransportNotFoundError`` when nothing is registered under ``name`` (installed
+    transports cannot be unregistered).
+    """
+    with _registered_lock:
+        if _registered.pop(name, None) is not None:
+            return
+        registered = ", ".join(sorted(_registered)) or "none"
+    raise TransportNotFoundError(
+        f"no transport is registered under {name!r} (registered: {registered}); "
+        "unregister_transport takes back only what register_transport registered"
+    )

@@ -3,6 +3,9 @@
 A plugin's tests subclass ``TransportConformance`` (see ``kvbridge.testing.conformance`` for what
 to write) and run under pytest with pytest-timeout (``pip install 'kvbridge[testing]'``).
 
+``LoopbackTransport`` is an in-process transport for tests of code above the transport (see
+``kvbridge.testing.loopback``).
+
 Names load on first use, so ``python -m kvbridge.testing.peer`` (a peer process) and the pytest
 plugin do not import the suite, numpy or pytest until they need them.
 """
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
         record_fault,
         scattered,
     )
+    from kvbridge.testing.loopback import LoopbackTransport
     from kvbridge.testing.peer import PeerProcess, PeerProcessError, random_bytes
 
 __all__ = [
@@ -36,6 +40,7 @@ __all__ = [
     "WRITE",
     "Agent",
     "Capabilities",
+    "LoopbackTransport",
     "MakeAgent",
     "MiB",
     "PeerBytes",
@@ -53,7 +58,11 @@ __all__ = [
 
 #: the module of each public name
 _PEER = {"PeerProcess", "PeerProcessError", "random_bytes"}
-_SOURCES = {name: "peer" if name in _PEER else "conformance" for name in __all__}
+_LOOPBACK = {"LoopbackTransport"}
+_SOURCES = {
+    name: "peer" if name in _PEER else "loopback" if name in _LOOPBACK else "conformance"
+    for name in __all__
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,21 +1,30 @@
-"""Transport discovery through entry points, with a throw-away third-party distribution."""
+"""Transport discovery through entry points (throw-away third-party distributions on sys.path) and
+the in-process registration seam."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kvbridge
+import kvbridge.core.registry
 from kvbridge.core import (
     TransferOp,
     Transport,
+    TransportConflictError,
+    TransportLimits,
     TransportNotFoundError,
     TransportUnavailableError,
+    register_transport,
+    unregister_transport,
 )
+from kvbridge.core.registry import load_transport_class
 
 PLUGIN = textwrap.dedent(
     '''
@@ -143,3 +152,224 @@ def test_unknown_name_lists_the_installed_transports(third_party):
 def test_without_the_distribution_the_name_is_unknown():
     with pytest.raises(TransportNotFoundError):
         kvbridge.load_transport("memmove")
+
+
+# -- importlib.metadata discovery: only the named plugin, one owner per name ---------------------
+
+BROKEN = 'raise RuntimeError("thirdparty_broken was imported")\n'
+
+
+def _distribution(root: Path, name: str, version: str, entry_points: str) -> Path:
+    """A ``.dist-info`` for distribution ``name`` under ``root`` (not yet on sys.path)."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    return root
+
+
+@pytest.fixture
+def broken_neighbour(third_party: Path) -> Path:
+    """A second entry point of the third-party distribution whose module raises on import."""
+    (third_party / "thirdparty_broken.py").write_text(BROKEN)
+    eps = third_party / "thirdparty_transport-0.1.dist-info" / "entry_points.txt"
+    eps.write_text(ENTRY_POINTS + "broken = thirdparty_broken:Transport\n")
+    yield third_party
+    sys.modules.pop("thirdparty_broken", None)
+
+
+def test_loading_one_transport_imports_no_other_plugin(broken_neighbour):
+    transport = kvbridge.load_transport("memmove")
+    transport.close()
+    assert "thirdparty_transport" in sys.modules
+    assert "thirdparty_broken" not in sys.modules
+    assert "thirdparty_missing_module" not in sys.modules
+    # The listing imports every plugin, and reports the broken one without hiding the others.
+    infos = {info.name: info for info in kvbridge.available_transports()}
+    assert not infos["broken"].usable
+    assert "thirdparty_broken was imported" in infos["broken"].reason
+    assert infos["memmove"].usable
+
+
+def test_a_plugin_that_fails_to_import_says_so(broken_neighbour):
+    with pytest.raises(TransportUnavailableError) as err:
+        kvbridge.load_transport("broken")
+    message = str(err.value)
+    assert "'broken'" in message and "thirdparty-transport 0.1" in message
+    assert "RuntimeError: thirdparty_broken was imported" in message
+    assert "\n" not in message
+
+
+def test_two_distributions_declaring_one_name_are_refused_naming_both(
+    third_party, tmp_path_factory, monkeypatch
+):
+    other = _distribution(
+        tmp_path_factory.mktemp("other"), "other-transport", "2.0",
+        "[kvbridge.transports]\nmemmove = other_transport:Memmove\n",
+    )  # fmt: skip
+    monkeypatch.syspath_prepend(str(other))
+    with pytest.raises(TransportConflictError) as err:
+        kvbridge.load_transport("memmove")
+    message = str(err.value)
+    assert "'memmove'" in message
+    assert "thirdparty-transport 0.1" in message and "other-transport 2.0" in message
+    assert "\n" not in message
+    assert "other_transport" not in sys.modules  # refused before importing either
+    infos = {info.name: info for info in kvbridge.available_transports()}
+    assert not infos["memmove"].usable
+    assert "other-transport 2.0" in infos["memmove"].reason
+    # The other names of the distribution are not affected.
+    assert infos["needs-engine"].package == "thirdparty-transport 0.1"
+
+
+def test_one_distribution_twice_on_sys_path_counts_once(third_party, tmp_path_factory, monkeypatch):
+    # An editable install and its source tree, say: two copies of one distribution's metadata,
+    # here also spelled differently (names compare normalized, as pip compares them).
+    copy = _distribution(
+        tmp_path_factory.mktemp("copy"), "thirdparty_transport", "0.1", ENTRY_POINTS
+    )
+    monkeypatch.syspath_prepend(str(copy))
+    assert kvbridge.core.registry.transport_names().count("memmove") == 1
+    infos = [info for info in kvbridge.available_transports() if info.name == "memmove"]
+    assert len(infos) == 1 and infos[0].usable
+    assert infos[0].package == "thirdparty_transport 0.1"  # the first on sys.path
+    kvbridge.load_transport("memmove").close()
+
+
+def test_names_are_listed_without_importing_plugins(broken_neighbour):
+    from kvbridge.core.registry import transport_names
+
+    names = transport_names()
+    assert {"memmove", "needs-engine", "unimportable", "broken", "cma"} <= set(names)
+    assert names == sorted(names)
+    assert "thirdparty_transport" not in sys.modules
+
+
+# -- register_transport / unregister_transport ---------------------------------------------------
+
+
+class _Local(Transport):
+    """A registered transport: every engine hook, nothing moves (not the point here)."""
+
+    name = "local"
+
+    def __init__(self, *, timeout: float = 5.0, label: str = "") -> None:
+        super().__init__(timeout=timeout)
+        self.label = label
+        self._open(TransportLimits())
+
+    def _register_group(self, device, ranges):
+        pass
+
+    def _deregister_group(self, device, ranges):
+        pass
+
+    def _engine_metadata(self):
+        return b""
+
+    def _connect_engine(self, peer, payload, old):
+        return payload
+
+    def _start_chunk(self, state, chunk):
+        return None
+
+
+class _Unavailable(_Local):
+    install_hint = "pip install nothing-real"
+
+    @classmethod
+    def _import_engine(cls):
+        raise ImportError("no engine here")
+
+
+@pytest.fixture
+def registered() -> Iterator[list[str]]:
+    """Names a test registers; each is unregistered after the test."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        with contextlib.suppress(TransportNotFoundError):
+            unregister_transport(name)
+
+
+def test_registered_transport_is_loaded_by_name_and_listed(registered):
+    register_transport("local", _Local)
+    registered.append("local")
+    assert load_transport_class("local") is _Local
+    transport = kvbridge.load_transport("local", label="x", timeout=1.0)
+    assert isinstance(transport, _Local) and transport.label == "x" and transport.timeout == 1.0
+    transport.close()
+    infos = {info.name: info for info in kvbridge.available_transports()}
+    assert infos["local"].usable
+    assert "registered in this process" in infos["local"].package
+    assert "_Local" in infos["local"].package
+    with pytest.raises(TransportNotFoundError) as err:
+        kvbridge.load_transport("carrier-pigeon")
+    assert "local (registered)" in str(err.value) and "cma" in str(err.value)
+
+
+def test_registering_a_taken_name_needs_replace(registered):
+    register_transport("local", _Local)
+    registered.append("local")
+    with pytest.raises(
+        TransportConflictError, match=r"'local' is registered already .*replace=True"
+    ):
+        register_transport("local", _Unavailable)
+    assert load_transport_class("local") is _Local
+    register_transport("local", _Unavailable, replace=True)
+    with pytest.raises(TransportUnavailableError, match="no engine here"):
+        load_transport_class("local")  # a registered class is checked like an installed one
+    infos = {info.name: info for info in kvbridge.available_transports()}
+    assert not infos["local"].usable and "nothing-real" in infos["local"].reason
+
+
+def test_an_installed_name_is_shadowed_only_with_replace(registered):
+    from kvbridge.transports.cma import CmaTransport
+
+    with pytest.raises(
+        TransportConflictError, match=r"'cma' is installed \(kvbridge .*replace=True"
+    ):
+        register_transport("cma", _Local)
+    assert load_transport_class("cma") is CmaTransport
+    register_transport("cma", _Local, replace=True)
+    registered.append("cma")
+    assert load_transport_class("cma") is _Local
+    unregister_transport("cma")
+    assert load_transport_class("cma") is CmaTransport  # the installed one is back
+
+
+def test_unregister_takes_back_only_registered_names(registered):
+    register_transport("local", _Local)
+    unregister_transport("local")
+    with pytest.raises(TransportNotFoundError):
+        kvbridge.load_transport("local")
+    with pytest.raises(TransportNotFoundError, match="'local'"):
+        unregister_transport("local")
+    with pytest.raises(TransportNotFoundError, match="only what register_transport registered"):
+        unregister_transport("cma")  # installed, never registered
+    assert load_transport_class("cma").name == "cma"
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "error"),
+    [
+        ("", _Local, ValueError),
+        (" local", _Local, ValueError),
+        (None, _Local, ValueError),
+        ("local", object, TypeError),
+        ("local", _Local(), TypeError),
+    ],
+)
+def test_register_refuses_bad_names_and_non_transports(name, cls, error):
+    with pytest.raises(error):
+        register_transport(name, cls)
+    assert "local" not in kvbridge.core.registry.transport_names()
+
+
+def test_the_seam_is_exported():
+    import kvbridge.core
+
+    assert kvbridge.register_transport is kvbridge.core.register_transport is register_transport
+    assert kvbridge.unregister_transport is kvbridge.core.unregister_transport
+    assert {"register_transport", "unregister_transport"} <= set(kvbridge.__all__)
+    assert {"register_transport", "unregister_transport"} <= set(kvbridge.core.__all__)

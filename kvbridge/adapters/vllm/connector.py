@@ -537,7 +537,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             # The transport announces the address peers reach it at: the side channel's host
             # unless the transport's own option says otherwise.
             options.setdefault(transport_cls.host_option, self.options.host)
-        # Through the module's ``load_transport``: the e2e fault injection wraps it there.
         transport = load_transport(self.options.transport, **options)
         # Imported here: the scheduler process loads this module too and needs no zmq plane.
         from kvbridge.control.plane import ControlPlane

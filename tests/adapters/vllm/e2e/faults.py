@@ -1,8 +1,11 @@
 """Faults the real parts cannot produce on demand, injected inside a vLLM engine's connector.
 
-``install(directory, role)`` runs where vLLM creates the connector (``faulty_connector``, which
-vLLM loads through ``kv_connector_module_path``). It wraps the transport the connector loads and
-records every outcome the control plane reaches, so that a driver in another process can:
+``install(directory, role, transport)`` runs where vLLM's worker registers its KV caches with the
+connector (``faulty_connector``, which vLLM loads through ``kv_connector_module_path``), just
+before the connector loads its transport. It registers a wrapping class under the transport's name
+(``kvbridge.register_transport(..., replace=True)``), so the transport the connector loads is
+wrapped, and records every outcome the control plane reaches, so that a driver in another
+process can:
 
 - **arm a late write** (``arm(directory, op, delay_ms)``): the next batch of that operation
   (``read`` on D in pull mode, ``write`` on P in push mode) is reported failed at once, as when
@@ -39,6 +42,7 @@ from kvbridge.core.transport import (
     TransferOp,
     TransferState,
     TransferStatus,
+    Transport,
 )
 
 #: The environment variable naming the fault directory in the engine's processes.
@@ -195,24 +199,39 @@ def _append(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def faulty_class(real: type[Transport], directory: Path, role: str) -> type[Transport]:
+    """A class to register in ``real``'s place: built with the transport's options, it builds
+    ``real`` with them and returns that transport wrapped in a ``FaultyTransport``.
+
+    A subclass of ``real``, so what the connector asks of the class before it builds one
+    (``check_available``, ``host_option``) is ``real``'s; its ``__new__`` returns the wrapper,
+    which is no instance of it, so Python does not call ``__init__`` on it.
+    """
+
+    def __new__(cls: type, **options: Any) -> Any:
+        return FaultyTransport(real(**options), directory, role)
+
+    namespace = {"__new__": __new__, "__module__": __name__, "__doc__": FaultyTransport.__doc__}
+    return type(f"Faulty{real.__name__}", (real,), namespace)
+
+
 _installed = False
 
 
-def install(directory: Path, role: str) -> None:
-    """Wrap the connector's transport and record its plane's outcomes, in this process (once)."""
+def install(directory: Path, role: str, transport: str) -> None:
+    """Wrap the transport ``transport`` names and record the plane's outcomes, in this process
+    (once): the wrapper is registered under the name (``kvbridge.register_transport`` with
+    ``replace=True``), so the connector's ``load_transport(transport)`` builds it."""
     global _installed
-    from kvbridge.adapters.vllm import connector
+    import kvbridge
     from kvbridge.control.plane import ControlPlane
+    from kvbridge.core.registry import load_transport_class
 
     if _installed:
         return
     _installed = True
-    load = connector.load_transport
-
-    def load_faulty(name: str, **options: Any) -> Any:
-        return FaultyTransport(load(name, **options), directory, role)
-
-    connector.load_transport = load_faulty  # type: ignore[assignment]
+    real = load_transport_class(transport)
+    kvbridge.register_transport(transport, faulty_class(real, directory, role), replace=True)
     record = ControlPlane._record
 
     def record_outcome(self: ControlPlane, outcome: Any) -> None:
