@@ -17,6 +17,7 @@ from kvbridge.core.boundary import (
     remote_prefill_token_count,
 )
 from kvbridge.core.compat import check_compatible, layout_differences
+from kvbridge.core.contract import TransportContract
 from kvbridge.core.errors import (
     BlockIdError,
     KvbridgeError,
@@ -73,6 +74,7 @@ __all__ = [
     "TransferStatus",
     "TransferTimeoutError",
     "Transport",
+    "TransportContract",
     "TransportError",
     "TransportLimits",
     "TransportNotFoundError",
