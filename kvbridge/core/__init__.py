@@ -17,6 +17,7 @@ from kvbridge.core.boundary import (
     remote_prefill_token_count,
 )
 from kvbridge.core.compat import check_compatible, layout_differences
+from kvbridge.core.contract import TransportContract
 from kvbridge.core.errors import (
     BlockIdError,
     KvbridgeError,
@@ -76,6 +77,7 @@ __all__ = [
     "TransferTimeoutError",
     "Transport",
     "TransportConflictError",
+    "TransportContract",
     "TransportError",
     "TransportLimits",
     "TransportNotFoundError",

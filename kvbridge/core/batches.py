@@ -174,6 +174,49 @@ class TransferHandle:
             timed_out=True,
         )
 
+    # -- what the kit's engine drivers ask of a handle (``kvbridge.core.drivers``) -------------
+    # The active chunks are guarded by the transport's lock (polled engines), not the handle's.
+
+    @property
+    def drained(self) -> bool:
+        """The batch finished and the engine holds none of its chunks (see ``fence``)."""
+        return self._drained.is_set()
+
+    def finish_empty(self) -> None:
+        """Finish a batch with nothing to move: done and drained at once."""
+        self._finished.set()
+        self._drained.set()
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until the batch finishes; True when it has."""
+        return self._finished.wait(timeout)
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until the batch is drained; True when it is."""
+        return self._drained.wait(timeout)
+
+    @property
+    def active(self) -> list[Chunk]:
+        """A copy of the chunks a polled engine still holds (to untrack while iterating)."""
+        return list(self._active)
+
+    @property
+    def has_active(self) -> bool:
+        return bool(self._active)
+
+    def track(self, chunk: Chunk) -> None:
+        """A polled engine took ``chunk`` and has not ended it yet."""
+        self._active.append(chunk)
+
+    def untrack(self, chunk: Chunk) -> None:
+        """A polled engine ended ``chunk``."""
+        self._active.remove(chunk)
+
+    def take_active(self) -> list[Chunk]:
+        """Stop tracking every chunk a polled engine holds; return them (to release them)."""
+        active, self._active = self._active, []
+        return active
+
     def _check_drained(self) -> None:  # lock held
         if self._finished.is_set() and self._in_engine == 0:
             self._drained.set()

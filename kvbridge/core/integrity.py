@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvbridge.core.transport import AddrArray
+from kvbridge.core.batches import AddrArray
 
 #: ``sample`` digests about one descriptor in this many (at least one).
 SAMPLE_EVERY = 16

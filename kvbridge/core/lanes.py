@@ -7,7 +7,8 @@ waits for chunks in submission order, skips chunks of batches that already faile
 were released, and starts a failed chunk again ``retries`` times while its deadline has not passed.
 
 The lane reaches its transport through a weak reference, so a transport dropped without ``close``
-is collected (its finalizer stops the lanes); during an engine call the lane holds it.
+is collected (its finalizer stops the lanes); during an engine call the lane holds it. It is typed
+on the hooks (``BlockingEngineHooks``), never on the kit, which imports this module.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvbridge.core.batches import Chunk
+from kvbridge.core.engine_hooks import BlockingEngineHooks
 from kvbridge.core.errors import ChunkRefused, PeerError, TransportError
-
-if TYPE_CHECKING:
-    from kvbridge.core.transport import Transport
 
 
 class _Dropped(Exception):
@@ -32,7 +31,7 @@ class _Dropped(Exception):
 class Lane:
     """The thread that moves every chunk to one peer (see the module docstring)."""
 
-    def __init__(self, transport: Transport, peer_state: Any, label: str) -> None:
+    def __init__(self, transport: BlockingEngineHooks, peer_state: Any, label: str) -> None:
         self._owner = weakref.ref(transport)
         self.peer_state = peer_state
         self.label = label
@@ -68,7 +67,7 @@ class Lane:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _transport(self) -> Transport:
+    def _transport(self) -> BlockingEngineHooks:
         transport = self._owner()
         if transport is None:
             raise _Dropped

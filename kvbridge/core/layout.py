@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from kvbridge.core.errors import LayoutError
 from kvbridge.core.groups import CacheGroup, GroupKind
-from kvbridge.core.transport import MemoryRange
+from kvbridge.core.memory import MemoryRange
 
 
 class KVLayout(str, enum.Enum):

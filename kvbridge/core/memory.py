@@ -19,6 +19,10 @@ class MemoryKind(enum.Enum):
     VRAM = "vram"
 
 
+#: ``(kind, device id)``: engines register, and some move, memory one such group at a time
+DeviceKey = tuple[MemoryKind, int]
+
+
 @dataclass(frozen=True, order=True)
 class MemoryRange:
     """A contiguous range of memory to register: ``[addr, addr + size)``."""
@@ -33,14 +37,14 @@ class MemoryRange:
         return self.addr + self.size
 
     @property
-    def device(self) -> tuple[MemoryKind, int]:
+    def device(self) -> DeviceKey:
         """``(kind, device id)``; host memory is device 0 whatever the range says."""
         return (self.kind, self.device_id if self.kind is MemoryKind.VRAM else 0)
 
 
-def by_device(ranges: Sequence[MemoryRange]) -> dict[tuple[MemoryKind, int], list[MemoryRange]]:
+def by_device(ranges: Sequence[MemoryRange]) -> dict[DeviceKey, list[MemoryRange]]:
     """Ranges grouped by ``MemoryRange.device`` in first-seen order (engines register per group)."""
-    groups: dict[tuple[MemoryKind, int], list[MemoryRange]] = {}
+    groups: dict[DeviceKey, list[MemoryRange]] = {}
     for rng in ranges:
         groups.setdefault(rng.device, []).append(rng)
     return groups

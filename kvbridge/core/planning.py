@@ -26,12 +26,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.core.batches import AddrArray, TransferOp
 from kvbridge.core.block_mapping import pair_block_ids
 from kvbridge.core.compat import check_compatible, heads_differ_only
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
-from kvbridge.core.transport import AddrArray, TransferOp
 from kvbridge.core.transpose import received_pair
 
 BlockIds = Mapping[int, object]
