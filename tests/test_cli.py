@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from importlib import metadata
 from pathlib import Path
 
@@ -155,17 +154,14 @@ def _assert_one_line_usage_error(result: subprocess.CompletedProcess[str], *word
     ],
 )  # fmt: skip
 def test_demo_refuses_what_it_cannot_run_before_starting_processes(args, words):
-    start = time.monotonic()
+    # It used to start both processes and print a child's traceback; that no process starts is
+    # checked without a clock below (test_demo_starts_no_process_for_a_bad_request).
     result = _run("demo", *args, "--timeout", "30")
-    # it used to start both processes and print a child's traceback after about 14 s
-    assert time.monotonic() - start < 10
     _assert_one_line_usage_error(result, *words)
 
 
 def test_demo_without_the_engine_names_what_to_install():
-    start = time.monotonic()
     result = _run_without_mooncake("demo", "--timeout", "30")
-    assert time.monotonic() - start < 10
     _assert_one_line_usage_error(
         result, "'mooncake' cannot run here", "kvbridge[mooncake]", "usable transports here: cma"
     )
