@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.core.block_mapping import pair_block_ids
+from kvbridge.core.block_mapping import GroupBlockIds, IdArray, group_ids, pair_block_ids
 from kvbridge.core.compat import check_compatible, heads_differ_only
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
@@ -34,8 +33,6 @@ from kvbridge.core.layout import GroupRegions, Layout, Part
 from kvbridge.core.transport import AddrArray, TransferOp
 from kvbridge.core.transpose import received_pair
 
-BlockIds = Mapping[int, object]
-IdArray = npt.NDArray[np.int64]  # block ids, and addresses before they become uint64
 #: One group's regions on both sides and the aligned block ids to move between them.
 _GroupPair = tuple[GroupRegions, GroupRegions, IdArray, IdArray]
 _NO_EXTENTS = np.empty((0, 2), dtype=np.int64)
@@ -465,8 +462,8 @@ def _check_disjoint(addrs: AddrArray, lengths: AddrArray, side: str) -> None:
 def plan_transfers(
     src: Layout,
     dst: Layout,
-    src_block_ids: BlockIds,
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
@@ -474,7 +471,8 @@ def plan_transfers(
     """Plan moving a request's blocks from the ``src`` layout to the ``dst`` layout.
 
     Block ids are logical ids per group index. A group absent from both mappings moves nothing;
-    a group given on one side only is an error. With ``check`` the layouts' compatibility is
+    a group given on one side only is an error. Ids checked already against an equal group
+    (``CheckedBlockIds``) are not checked again. With ``check`` the layouts' compatibility is
     verified first and destination ranges are checked not to overlap.
     """
     if check:
@@ -502,7 +500,7 @@ def plan_transfers(
     for index in sorted(dst_block_ids):
         sg, dg = src.group_regions[index], dst.group_regions[index]
         s_ids, d_ids = pair_block_ids(
-            sg.group, dg.group, src_block_ids[index], dst_block_ids[index]
+            sg.group, dg.group, group_ids(src_block_ids, index), group_ids(dst_block_ids, index)
         )
         pairs.append((sg, dg, s_ids, d_ids))
     plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from kvbridge.core.block_mapping import GroupBlockIds, only_groups
 from kvbridge.core.compat import layout_differences, unit_format
 from kvbridge.core.errors import BlockIdError, LayoutError, LayoutMismatchError
 from kvbridge.core.groups import CacheGroup
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Shard, expand_tensor
-from kvbridge.core.planning import BlockIds, TransferPlan, plan_transfers
+from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.transpose import is_token_major, received_pair
 
 #: ``(layer_name, tensor, axis)``: one axis of one tensor; axis ``""`` for a tensor without shards.
@@ -326,8 +327,8 @@ def _ranges(values: list[int]) -> str:
 def plan_tp_pair(
     src: Layout,
     dst: Layout,
-    src_block_ids: BlockIds,
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
@@ -355,7 +356,7 @@ def plan_tp_pair(
     )
     return plan_transfers(
         s_layout, d_layout,
-        {g: src_block_ids[g] for g in groups}, {g: dst_block_ids[g] for g in groups},
+        only_groups(src_block_ids, groups), only_groups(dst_block_ids, groups),
         merge=merge, check=check,
     )  # fmt: skip
 
@@ -426,8 +427,8 @@ def check_coverage(src_layouts: Mapping[int, Layout], dst: Layout) -> None:
 def plan_tp_reads(
     src_layouts: Mapping[int, Layout],
     dst: Layout,
-    src_block_ids: BlockIds,
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
@@ -442,8 +443,8 @@ def plan_tp_reads(
 def _plan_ranks(
     src_layouts: Mapping[int, Layout],
     dst: Layout,
-    ids_of: Callable[[int], BlockIds],
-    dst_block_ids: BlockIds,
+    ids_of: Callable[[int], GroupBlockIds],
+    dst_block_ids: GroupBlockIds,
     merge: bool,
     check: bool,
 ) -> dict[int, TransferPlan]:
@@ -463,8 +464,8 @@ def _plan_ranks(
 def plan_tp_transfers(
     src_layouts: Sequence[Layout],
     dst: Layout,
-    src_block_ids: BlockIds | Sequence[BlockIds],
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds | Sequence[GroupBlockIds],
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
