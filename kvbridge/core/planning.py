@@ -18,8 +18,8 @@ cannot decide falls back to building every descriptor, sorting and checking them
 
 from __future__ import annotations
 
+import functools
 import math
-import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -30,6 +30,7 @@ from kvbridge.core.compat import check_compatible, heads_differ_only
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
+from kvbridge.core.memo import PairMemo
 from kvbridge.core.transport import AddrArray, TransferOp
 from kvbridge.core.transpose import received_pair
 
@@ -310,22 +311,8 @@ class _PairTemplate:
     rows: _Rows | None
 
 
-def _template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _PairTemplate:
-    """The pair's template, from ``dst``'s memo (layouts never change once built)."""
-    memo = dst.memo
-    key = (id(src), collapse)
-    found = memo.get(key)
-    if found is not None and found[0]() is src:
-        template: _PairTemplate = found[1]
-        return template
-    template = _build_template(src, dst, collapse)
-    for gone in [k for k, (ref, _) in memo.items() if ref() is None]:
-        del memo[gone]  # peers' layouts that are gone (a restarted prefill, say)
-    memo[key] = (weakref.ref(src), template)
-    return template
-
-
 def _build_template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _PairTemplate:
+    """The pair's template (``_TEMPLATES`` keeps it: layouts never change once built)."""
     # Pair regions by key: the two sides may list layers in different orders.
     order = {key: i for i, key in enumerate(src.keys)}
     pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
@@ -356,6 +343,13 @@ def _build_template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _Pa
     return _PairTemplate(axes, arrays, math.prod(shape), rows)
 
 
+#: Templates per pair of group regions, with and without ``collapse``.
+_TEMPLATES: dict[bool, PairMemo[GroupRegions, GroupRegions, _PairTemplate]] = {
+    collapse: PairMemo(functools.partial(_build_template, collapse=collapse))
+    for collapse in (False, True)
+}
+
+
 def _plan_group(
     src: GroupRegions,
     dst: GroupRegions,
@@ -371,7 +365,7 @@ def _plan_group(
     blocks too when that can be done on block ids (``_merge_rows``), so the arrays may be
     shorter than the count; ``sort_runs`` then lists each region's runs by address.
     """
-    template = _template(src, dst, collapse)
+    template = _TEMPLATES[collapse](src, dst)
     count = template.per_block * int(dst_ids.size)
     if template.rows is not None:
         return replace(_merge_rows(template.rows, src_ids, dst_ids, sort_runs), count=count)

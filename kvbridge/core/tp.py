@@ -35,6 +35,7 @@ from kvbridge.core.compat import layout_differences, unit_format
 from kvbridge.core.errors import BlockIdError, LayoutError, LayoutMismatchError
 from kvbridge.core.groups import CacheGroup
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, expand_tensor
+from kvbridge.core.memo import PairMemo
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.transpose import is_token_major, received_pair
 
@@ -274,26 +275,16 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
     )  # fmt: skip
 
 
-#: Restricted pairs per destination layout and source layout: built once, like the planner's
-#: templates (which are kept per restricted layout, so rebuilding them per request would lose them).
-_PAIRS: weakref.WeakKeyDictionary[Layout, dict[int, tuple[weakref.ref[Layout], TPPair | None]]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Restricted pairs per pair of layouts: built once, like the planner's templates (which are
+#: kept per restricted layout, so rebuilding them per request would lose them).
+_PAIRS: PairMemo[Layout, Layout, TPPair | None] = PairMemo(_build_pair)
 
 
 def restrict_pair(src: Layout, dst: Layout) -> TPPair | None:
     """The pair of layouts restricted to what moves from source rank ``src`` to destination
     rank ``dst``, or ``None`` when nothing does. Raises ``LayoutMismatchError`` when the two
     describe units differently and ``LayoutError`` for slices that are no runs of a block."""
-    memo = _PAIRS.setdefault(dst, {})
-    found = memo.get(id(src))
-    if found is not None and found[0]() is src:
-        return found[1]
-    pair = _build_pair(src, dst)
-    for gone in [k for k, (ref, _) in memo.items() if ref() is None]:
-        del memo[gone]
-    memo[id(src)] = (weakref.ref(src), pair)
-    return pair
+    return _PAIRS(src, dst)
 
 
 def _coverage(pairs: Sequence[TPPair | None], dst: Layout) -> None:
