@@ -78,6 +78,7 @@ import numpy.typing as npt
 import kvbridge
 from kvbridge.bench import cases, machine_info, progress
 from kvbridge.bench.report import Grid
+from kvbridge.core.block_mapping import GroupBlockIds
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, merge_descriptors, plan_transfers
@@ -111,7 +112,6 @@ RUN_LENGTH = 8
 #: Kernel block size of attention layers (vLLM splits a hybrid's 544-token block into 34).
 KERNEL_BLOCK = 16
 
-BlockIds = dict[int, list[int]]
 Ranges = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
@@ -438,7 +438,9 @@ class VllmRequest:
         return src, dst, lengths
 
 
-def vllm_request(p_worker: Any, d_worker: Any, p_ids: BlockIds, d_ids: BlockIds) -> VllmRequest:
+def vllm_request(
+    p_worker: Any, d_worker: Any, p_ids: GroupBlockIds, d_ids: GroupBlockIds
+) -> VllmRequest:
     """Block ids per group index, as vLLM's scheduler hands them to both workers."""
     import asyncio
 
@@ -476,7 +478,7 @@ def pool_order(pattern: str, pool_size: int, rng: np.random.Generator) -> list[i
 
 def request_ids(
     layout: Layout, prompt_tokens: int, pattern: str, rng: np.random.Generator
-) -> BlockIds:
+) -> GroupBlockIds:
     """A request's block ids per group, drawn from this benchmark's patterns."""
     return cases.request_ids(layout, prompt_tokens, pattern, rng, order=pool_order)
 
@@ -653,8 +655,8 @@ def measure_pattern(
         prepare_ms = _once_ms(prepare_uncached)
         p, d = w.p_layout, w.d_layout
 
-        def plan_new_peer(p: Layout = p, d: Layout = d, p_ids: BlockIds = p_ids,
-                          d_ids: BlockIds = d_ids) -> object:  # fmt: skip
+        def plan_new_peer(p: Layout = p, d: Layout = d, p_ids: GroupBlockIds = p_ids,
+                          d_ids: GroupBlockIds = d_ids) -> object:  # fmt: skip
             _forget_peers(p, d)
             return plan_transfers(p, d, p_ids, d_ids)
 

@@ -27,7 +27,6 @@ from kvbridge.workloads.shapes import (
 )
 
 Allocator = Callable[[int], int]
-BlockIds = dict[int, list[int]]
 
 #: How a request's block ids lie in the pool.
 PATTERNS = ("contiguous", "fragmented", "realistic")
@@ -112,7 +111,7 @@ def request_ids(
     pattern: str,
     rng: np.random.Generator,
     order: Callable[[str, int, np.random.Generator], list[int]] = pool_order,
-) -> BlockIds:
+) -> dict[int, list[int]]:
     """Block ids one engine holds for a request's remote-prefilled tokens
     (``kvbridge.workloads.layouts.draw_request_ids``); ``order`` lists the pool's free ids for
     ``pattern``."""

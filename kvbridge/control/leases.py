@@ -297,7 +297,7 @@ class Leases:
                 raise MessageError("no_handshake", "handshake before requesting a push")
             if rid in self._withdrawn or (rid, body.rank) in self._push_results:
                 raise MessageError("withdrawn", f"request {rid!r} was aborted or already pushed")
-            checked_ids(remote.layout, body.block_ids, "destination")
+            body.block_ids = checked_ids(remote.layout, body.block_ids, "destination")
             lease = self._leases.get(rid)
             if lease is None:
                 if (rid, body.rank) in self._pending_push:

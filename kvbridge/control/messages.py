@@ -21,6 +21,7 @@ MAX_MESSAGE_BYTES = 8 << 20
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+#: The wire form of ``kvbridge.core.block_mapping.GroupBlockIds`` (block ids per group), bounded.
 BlockIds = dict[Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)], list[BlockId]]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Proof = Annotated[bytes, msgspec.Meta(max_length=64)]

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.control.messages import BlockIds
-from kvbridge.core.block_mapping import prepare_block_ids
+from kvbridge.core.block_mapping import CheckedBlockIds, check_group_ids
 from kvbridge.core.errors import KvbridgeError, MessageError
 from kvbridge.core.layout import Layout
 from kvbridge.core.transpose import Transpose
@@ -145,19 +145,20 @@ def timed(stats: RequestStats, name: str) -> Iterator[None]:
         setattr(stats, name, time.monotonic() - start)
 
 
-def checked_ids(layout: Layout, block_ids: Mapping[int, Any], side: str) -> BlockIds:
-    """``block_ids`` as plain ints per group, or ``MessageError`` if ``layout`` cannot hold them."""
-    ids: BlockIds = {}
+def checked_ids(layout: Layout, block_ids: Mapping[int, Any], side: str) -> CheckedBlockIds:
+    """``block_ids`` checked against ``layout``'s groups, or ``MessageError`` if it cannot hold
+    them: plain ints per group (as messages carry them) with the checked arrays the planner
+    uses without checking them again."""
+    ids = CheckedBlockIds()
     for group, values in block_ids.items():
         index = int(group)
         if index not in layout.groups:
             raise MessageError("block_id", f"{side} block ids name unknown group {index}")
         arr = np.asarray(values, dtype=np.int64).reshape(-1)
         try:
-            prepare_block_ids(layout.groups[index], arr, side)
+            ids.add(index, check_group_ids(layout.groups[index], arr, side))
         except KvbridgeError as err:
             raise MessageError("block_id", str(err)) from None
-        ids[index] = arr.tolist()  # plain ints, as messages carry them
     return ids
 
 

@@ -1,8 +1,15 @@
-"""Block ids: validation, STATE placeholders, sliding-window clipping, alignment, kernels."""
+"""Block ids: validation, STATE placeholders, sliding-window clipping, alignment, kernels.
+
+The one owner of block ids: their types (``IdArray``, ``GroupBlockIds``), the rules of each
+group kind (range, repeats, null placeholders, sliding window, per-group counts) and the checked
+value (``CheckedBlockIds``) that carries ids checked once on to the planner.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -10,7 +17,12 @@ import numpy.typing as npt
 from kvbridge.core.errors import BlockIdError
 from kvbridge.core.groups import CacheGroup, GroupKind
 
+#: Block ids (and the addresses computed from them before they become uint64), as an array.
 IdArray = npt.NDArray[np.int64]
+#: Block ids per cache group index, the one name for them everywhere: logical ids of each group
+#: as plain ints or an array (the control plane's messages carry them as ``dict[int, list[int]]``,
+#: ``kvbridge.control.messages.BlockIds``, their bounded wire form).
+GroupBlockIds = Mapping[int, Sequence[int] | IdArray]
 
 
 def as_block_ids(ids: object, group: CacheGroup, side: str) -> IdArray:
@@ -48,9 +60,46 @@ def clip_sliding_window(ids: IdArray, window: int, block_size: int) -> IdArray:
     return ids[-keep:] if ids.size > keep else ids
 
 
-def prepare_block_ids(group: CacheGroup, ids: object, side: str) -> IdArray:
-    """Validate one side's logical block ids and apply the group kind's rule."""
-    arr = as_block_ids(ids, group, side)
+def held_block_ids(
+    kind: GroupKind, ids: Iterable[int], null_block_id: int, scratch_slots: int = 0
+) -> list[int]:
+    """The ids of an engine's block list for one group that hold the request's cache.
+
+    The engine's placeholders (``null_block_id``, which the engine names: blocks a sliding
+    window dropped, state slots not held) go; a ``STATE`` group keeps only its running slot:
+    an engine may append ``scratch_slots`` speculative slots after it and hold superseded states
+    before it.
+    """
+    kept = [int(b) for b in ids if int(b) != null_block_id]
+    if kind is GroupKind.STATE and kept:
+        scratch = min(scratch_slots, len(kept) - 1)
+        kept = kept[: len(kept) - scratch][-1:]
+    return kept
+
+
+def tail_block_ids(ids: Sequence[int], count: int) -> list[int]:
+    """The last ``count`` ids (none for 0): a destination's sliding-window blocks that pair with
+    a source whose list the window already cut to ``count`` blocks."""
+    return list(ids[len(ids) - count :]) if count else []
+
+
+@dataclass(frozen=True)
+class CheckedGroupIds:
+    """One group's block ids checked against ``group`` (arrays nobody changes).
+
+    ``given``: the ids as given, each inside the group's pool (the pairing rules compare their
+    counts); ``kept``: those the group kind's rule keeps (``STATE``: null placeholders dropped;
+    ``SLIDING_WINDOW``: the window's tail), none repeated.
+    """
+
+    group: CacheGroup
+    given: IdArray
+    kept: IdArray
+
+
+def _kept(group: CacheGroup, given: IdArray, side: str) -> CheckedGroupIds:
+    """Apply the group kind's rule to ids already inside the pool, and refuse repeats."""
+    arr = given
     if group.kind is GroupKind.STATE:
         arr = drop_null_blocks(arr, group.null_block_id)
     elif group.kind is GroupKind.SLIDING_WINDOW:
@@ -63,7 +112,72 @@ def prepare_block_ids(group: CacheGroup, ids: object, side: str) -> IdArray:
                 f"{side} block ids of group {group.index} repeat id {int(repeats[0])}: "
                 f"{arr.tolist()[:32]}"
             )
-    return arr
+    return CheckedGroupIds(group, given, arr)
+
+
+def _given(group: CacheGroup, ids: object, side: str) -> IdArray:
+    """The ids as given, inside the pool: from a check against this group when there is one."""
+    if isinstance(ids, CheckedGroupIds):
+        if ids.group == group:
+            return ids.given
+        ids = ids.given
+    return as_block_ids(ids, group, side)
+
+
+def check_group_ids(group: CacheGroup, ids: object, side: str) -> CheckedGroupIds:
+    """One side's logical block ids of ``group``, checked once: range, rule, repeats.
+
+    Ids checked against an equal group already (a ``CheckedGroupIds``) are not checked again.
+    """
+    if isinstance(ids, CheckedGroupIds) and ids.group == group:
+        return ids
+    return _kept(group, _given(group, ids, side), side)
+
+
+def prepare_block_ids(group: CacheGroup, ids: object, side: str) -> IdArray:
+    """Validate one side's logical block ids and apply the group kind's rule."""
+    return check_group_ids(group, ids, side).kept
+
+
+class CheckedBlockIds(dict[int, list[int]]):
+    """Block ids per group checked against a layout's groups (``check_group_ids`` per group;
+    the control plane's ``checked_ids`` builds them).
+
+    As a mapping it holds each group's ids as given, as plain ints (what messages carry);
+    ``checked`` holds the checked arrays, which travel on to the planner so that it does not
+    check them again. Do not change it: build another.
+    """
+
+    __slots__ = ("checked",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: dict[int, CheckedGroupIds] = {}
+
+    def add(self, index: int, ids: CheckedGroupIds) -> None:
+        self[index] = ids.given.tolist()
+        self.checked[index] = ids
+
+    def only(self, indices: Iterable[int]) -> CheckedBlockIds:
+        """The same checked ids for the groups ``indices`` alone."""
+        out = CheckedBlockIds()
+        for index in indices:
+            out.add(index, self.checked[index])
+        return out
+
+
+def group_ids(block_ids: GroupBlockIds, index: int) -> object:
+    """Group ``index``'s ids of ``block_ids``: their checked arrays when they were checked."""
+    if isinstance(block_ids, CheckedBlockIds):
+        return block_ids.checked[index]
+    return block_ids[index]
+
+
+def only_groups(block_ids: GroupBlockIds, indices: Iterable[int]) -> GroupBlockIds:
+    """``block_ids`` for the groups ``indices`` alone (checked ones stay checked)."""
+    if isinstance(block_ids, CheckedBlockIds):
+        return block_ids.only(indices)
+    return {g: block_ids[g] for g in indices}
 
 
 def align_block_ids(src: IdArray, dst: IdArray, group_index: int) -> IdArray:
@@ -96,9 +210,10 @@ def pair_block_ids(
     * other paged groups: the source's tail pairs with the destination (``align_block_ids``).
     """
     index = dst_group.index
-    d = prepare_block_ids(dst_group, dst_ids, "destination")
+    checked_dst = check_group_ids(dst_group, dst_ids, "destination")
+    d = checked_dst.kept
     if src_group.kind is GroupKind.STATE:
-        s = prepare_block_ids(src_group, src_ids, "source")
+        s = check_group_ids(src_group, src_ids, "source").kept
         if s.size != d.size:
             raise BlockIdError(
                 f"group {index} (state): the source names {s.size} state slot(s) and the "
@@ -107,15 +222,17 @@ def pair_block_ids(
             )
         return s, d
     if src_group.kind is GroupKind.SLIDING_WINDOW:
-        s_all = as_block_ids(src_ids, src_group, "source")
-        d_all = as_block_ids(dst_ids, dst_group, "destination")
+        s_all = _given(src_group, src_ids, "source")
+        d_all = checked_dst.given
         if s_all.size < d_all.size:
             raise BlockIdError(
                 f"group {index} (sliding window): the source has {s_all.size} blocks but the "
                 f"destination asks for {d_all.size}; the prefill side did not compute enough "
                 "tokens for this request"
             )
-    s = prepare_block_ids(src_group, src_ids, "source")
+        if not (isinstance(src_ids, CheckedGroupIds) and src_ids.group == src_group):
+            src_ids = _kept(src_group, s_all, "source")
+    s = check_group_ids(src_group, src_ids, "source").kept
     return align_block_ids(s, d, index), d
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import weakref
-
 from kvbridge.core.errors import LayoutMismatchError
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout, Region, RegionKey
+from kvbridge.core.memo import PairMemo
 from kvbridge.core.transpose import (
     HEAD_MAJOR,
     PER_HEAD,
@@ -178,19 +177,18 @@ def _fmt(key: tuple[str, str, object]) -> str:
     return f"{layer}{'/' + tensor if tensor else ''}:{part_name}"
 
 
-#: Layouts found compatible with each layout: a peer's layout is checked once, not per request
-#: (layouts do not change after they are built; the entries go with the layouts).
-_COMPATIBLE: weakref.WeakKeyDictionary[Layout, weakref.WeakSet[Layout]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Pairs of layouts found compatible: a peer's layout is checked once, not per request (layouts
+#: do not change after they are built; the entries go with the layouts).
+_COMPATIBLE: PairMemo[Layout, Layout, bool] = PairMemo()
 
 
 def check_compatible(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")) -> None:
     """Raise ``LayoutMismatchError`` naming every differing field, or return silently."""
-    known = _COMPATIBLE.get(a)
-    if known is not None and b in known:
-        return
+    _COMPATIBLE(a, b, lambda: _compatible(a, b, names))
+
+
+def _compatible(a: Layout, b: Layout, names: tuple[str, str]) -> bool:
     diffs = layout_differences(a, b, names)
     if diffs:
         raise LayoutMismatchError(diffs)
-    _COMPATIBLE.setdefault(a, weakref.WeakSet()).add(b)
+    return True

@@ -183,7 +183,8 @@ class GroupRegions:
     @cached_property
     def memo(self) -> dict[Any, Any]:
         """What planning derives from this group and a peer's once, for every request (the
-        planner's per-peer templates; regions never change once built)."""
+        planner's per-peer templates, ``kvbridge.core.memo.PairMemo``; regions never change
+        once built)."""
         return {}
 
     def arrays(self) -> dict[str, npt.NDArray[np.int64]]:
@@ -333,6 +334,12 @@ class Layout:
     def has_state(self) -> bool:
         """Whether any group holds recurrent state (which forces the N-1 boundary)."""
         return any(g.kind is GroupKind.STATE for g in self.groups.values())
+
+    @cached_property
+    def memo(self) -> dict[Any, Any]:
+        """What is derived from this layout and a peer's once, for every request
+        (``kvbridge.core.memo.PairMemo``: compatibility, TP restriction)."""
+        return {}
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self.spec)

@@ -18,24 +18,22 @@ cannot decide falls back to building every descriptor, sorting and checking them
 
 from __future__ import annotations
 
+import functools
 import math
-import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbridge.core.batches import AddrArray, TransferOp
-from kvbridge.core.block_mapping import pair_block_ids
+from kvbridge.core.block_mapping import GroupBlockIds, IdArray, group_ids, pair_block_ids
 from kvbridge.core.compat import check_compatible, heads_differ_only
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
+from kvbridge.core.memo import PairMemo
 from kvbridge.core.transpose import received_pair
 
-BlockIds = Mapping[int, object]
-IdArray = npt.NDArray[np.int64]  # block ids, and addresses before they become uint64
 #: One group's regions on both sides and the aligned block ids to move between them.
 _GroupPair = tuple[GroupRegions, GroupRegions, IdArray, IdArray]
 _NO_EXTENTS = np.empty((0, 2), dtype=np.int64)
@@ -313,22 +311,8 @@ class _PairTemplate:
     rows: _Rows | None
 
 
-def _template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _PairTemplate:
-    """The pair's template, from ``dst``'s memo (layouts never change once built)."""
-    memo = dst.memo
-    key = (id(src), collapse)
-    found = memo.get(key)
-    if found is not None and found[0]() is src:
-        template: _PairTemplate = found[1]
-        return template
-    template = _build_template(src, dst, collapse)
-    for gone in [k for k, (ref, _) in memo.items() if ref() is None]:
-        del memo[gone]  # peers' layouts that are gone (a restarted prefill, say)
-    memo[key] = (weakref.ref(src), template)
-    return template
-
-
 def _build_template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _PairTemplate:
+    """The pair's template (``_TEMPLATES`` keeps it: layouts never change once built)."""
     # Pair regions by key: the two sides may list layers in different orders.
     order = {key: i for i, key in enumerate(src.keys)}
     pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
@@ -359,6 +343,13 @@ def _build_template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _Pa
     return _PairTemplate(axes, arrays, math.prod(shape), rows)
 
 
+#: Templates per pair of group regions, with and without ``collapse``.
+_TEMPLATES: dict[bool, PairMemo[GroupRegions, GroupRegions, _PairTemplate]] = {
+    collapse: PairMemo(functools.partial(_build_template, collapse=collapse))
+    for collapse in (False, True)
+}
+
+
 def _plan_group(
     src: GroupRegions,
     dst: GroupRegions,
@@ -374,7 +365,7 @@ def _plan_group(
     blocks too when that can be done on block ids (``_merge_rows``), so the arrays may be
     shorter than the count; ``sort_runs`` then lists each region's runs by address.
     """
-    template = _template(src, dst, collapse)
+    template = _TEMPLATES[collapse](src, dst)
     count = template.per_block * int(dst_ids.size)
     if template.rows is not None:
         return replace(_merge_rows(template.rows, src_ids, dst_ids, sort_runs), count=count)
@@ -465,8 +456,8 @@ def _check_disjoint(addrs: AddrArray, lengths: AddrArray, side: str) -> None:
 def plan_transfers(
     src: Layout,
     dst: Layout,
-    src_block_ids: BlockIds,
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
@@ -474,7 +465,8 @@ def plan_transfers(
     """Plan moving a request's blocks from the ``src`` layout to the ``dst`` layout.
 
     Block ids are logical ids per group index. A group absent from both mappings moves nothing;
-    a group given on one side only is an error. With ``check`` the layouts' compatibility is
+    a group given on one side only is an error. Ids checked already against an equal group
+    (``CheckedBlockIds``) are not checked again. With ``check`` the layouts' compatibility is
     verified first and destination ranges are checked not to overlap.
     """
     if check:
@@ -502,7 +494,7 @@ def plan_transfers(
     for index in sorted(dst_block_ids):
         sg, dg = src.group_regions[index], dst.group_regions[index]
         s_ids, d_ids = pair_block_ids(
-            sg.group, dg.group, src_block_ids[index], dst_block_ids[index]
+            sg.group, dg.group, group_ids(src_block_ids, index), group_ids(dst_block_ids, index)
         )
         pairs.append((sg, dg, s_ids, d_ids))
     plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from kvbridge.core.block_mapping import GroupBlockIds, only_groups
 from kvbridge.core.compat import layout_differences, unit_format
 from kvbridge.core.errors import BlockIdError, LayoutError, LayoutMismatchError
 from kvbridge.core.groups import CacheGroup
-from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Shard, expand_tensor
-from kvbridge.core.planning import BlockIds, TransferPlan, plan_transfers
+from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, expand_tensor
+from kvbridge.core.memo import PairMemo
+from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.transpose import is_token_major, received_pair
 
 #: ``(layer_name, tensor, axis)``: one axis of one tensor; axis ``""`` for a tensor without shards.
@@ -273,26 +275,16 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
     )  # fmt: skip
 
 
-#: Restricted pairs per destination layout and source layout: built once, like the planner's
-#: templates (which are kept per restricted layout, so rebuilding them per request would lose them).
-_PAIRS: weakref.WeakKeyDictionary[Layout, dict[int, tuple[weakref.ref[Layout], TPPair | None]]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Restricted pairs per pair of layouts: built once, like the planner's templates (which are
+#: kept per restricted layout, so rebuilding them per request would lose them).
+_PAIRS: PairMemo[Layout, Layout, TPPair | None] = PairMemo(_build_pair)
 
 
 def restrict_pair(src: Layout, dst: Layout) -> TPPair | None:
     """The pair of layouts restricted to what moves from source rank ``src`` to destination
     rank ``dst``, or ``None`` when nothing does. Raises ``LayoutMismatchError`` when the two
     describe units differently and ``LayoutError`` for slices that are no runs of a block."""
-    memo = _PAIRS.setdefault(dst, {})
-    found = memo.get(id(src))
-    if found is not None and found[0]() is src:
-        return found[1]
-    pair = _build_pair(src, dst)
-    for gone in [k for k, (ref, _) in memo.items() if ref() is None]:
-        del memo[gone]
-    memo[id(src)] = (weakref.ref(src), pair)
-    return pair
+    return _PAIRS(src, dst)
 
 
 def _coverage(pairs: Sequence[TPPair | None], dst: Layout) -> None:
@@ -326,8 +318,8 @@ def _ranges(values: list[int]) -> str:
 def plan_tp_pair(
     src: Layout,
     dst: Layout,
-    src_block_ids: BlockIds,
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
@@ -355,7 +347,7 @@ def plan_tp_pair(
     )
     return plan_transfers(
         s_layout, d_layout,
-        {g: src_block_ids[g] for g in groups}, {g: dst_block_ids[g] for g in groups},
+        only_groups(src_block_ids, groups), only_groups(dst_block_ids, groups),
         merge=merge, check=check,
     )  # fmt: skip
 
@@ -426,8 +418,8 @@ def check_coverage(src_layouts: Mapping[int, Layout], dst: Layout) -> None:
 def plan_tp_reads(
     src_layouts: Mapping[int, Layout],
     dst: Layout,
-    src_block_ids: BlockIds,
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
@@ -442,8 +434,8 @@ def plan_tp_reads(
 def _plan_ranks(
     src_layouts: Mapping[int, Layout],
     dst: Layout,
-    ids_of: Callable[[int], BlockIds],
-    dst_block_ids: BlockIds,
+    ids_of: Callable[[int], GroupBlockIds],
+    dst_block_ids: GroupBlockIds,
     merge: bool,
     check: bool,
 ) -> dict[int, TransferPlan]:
@@ -463,8 +455,8 @@ def _plan_ranks(
 def plan_tp_transfers(
     src_layouts: Sequence[Layout],
     dst: Layout,
-    src_block_ids: BlockIds | Sequence[BlockIds],
-    dst_block_ids: BlockIds,
+    src_block_ids: GroupBlockIds | Sequence[GroupBlockIds],
+    dst_block_ids: GroupBlockIds,
     *,
     merge: bool = True,
     check: bool = True,
@@ -487,90 +479,3 @@ def plan_tp_transfers(
         raise BlockIdError(f"{len(per_rank)} source block-id mappings for {size} source ranks")
     layouts = dict(enumerate(src_layouts))
     return _plan_ranks(layouts, dst, per_rank.__getitem__, dst_block_ids, merge, check)
-
-
-# --- shards of common model kinds (vLLM's TP sharding) -------------------------------------
-
-
-def attention_shards(
-    num_kv_heads: int,
-    tp_rank: int,
-    tp_size: int,
-    head_bytes: int,
-    *,
-    offset: int = 0,
-    axis: str = "kv_heads",
-    token_major: bool = False,
-    head_stride: int = 0,
-) -> list[Shard]:
-    """KV heads of a head-major attention tensor (``head_bytes``: one head's bytes of a logical
-    block of one part). As vLLM's ``QKVParallelLinear``: with ``K >= T`` heads rank ``r``
-    holds heads ``[r*K/T, (r+1)*K/T)``; else head ``r // (T/K)``, replicated on ``T/K`` ranks.
-    For a tensor moved whole (K and V in one part) give K and V each its own axis and offset.
-    ``head_stride``: bytes from one head to the next when heads are padded (0: packed).
-    ``token_major``: each head's slice of a kernel block lists its tokens in order (``[N, C]``
-    cells), so slices may move between different kernel block sizes.
-    """
-    if num_kv_heads >= tp_size:
-        if num_kv_heads % tp_size:
-            raise LayoutError(f"{num_kv_heads} KV heads do not divide over {tp_size} TP ranks")
-        per = num_kv_heads // tp_size
-        return [
-            Shard(axis, tp_rank * per, per, head_bytes, offset, head_stride,
-                  token_major=token_major)
-        ]  # fmt: skip
-    if tp_size % num_kv_heads:
-        raise LayoutError(f"{tp_size} TP ranks do not replicate {num_kv_heads} KV heads evenly")
-    replicas = tp_size // num_kv_heads
-    return [
-        Shard(axis, tp_rank // replicas, 1, head_bytes, offset, head_stride, replicas=replicas,
-              replica=tp_rank % replicas, token_major=token_major)
-    ]  # fmt: skip
-
-
-def mla_shards(block_bytes: int, tp_rank: int, tp_size: int) -> list[Shard]:
-    """MLA's latent cache: the same on every rank, read from one source rank."""
-    return [Shard("latent", 0, 1, block_bytes, replicas=tp_size, replica=tp_rank)]
-
-
-def gdn_conv_shards(
-    key_dim: int,
-    value_dim: int,
-    state_len: int,
-    dtype_bytes: int,
-    tp_rank: int,
-    tp_size: int,
-    conv_layout: str = "SD",
-    offset: int = 0,
-) -> list[Shard]:
-    """A GDN conv state: each rank holds channels ``[q | k | v]`` of its slice of each
-    sub-projection (``key_dim`` channels for q and k, ``value_dim`` for v, sharded evenly).
-
-    ``conv_layout`` as vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: ``"SD"`` (default,
-    ``[state_len, dim]``: every row holds a slice of each sub-projection) or ``"DS"``
-    (``[dim, state_len]``: a channel is ``state_len`` values in a row).
-    """
-    if key_dim % tp_size or value_dim % tp_size:
-        raise LayoutError(f"conv dims {key_dim}/{value_dim} do not divide over {tp_size} ranks")
-    q, v = key_dim // tp_size, value_dim // tp_size
-    dim = 2 * q + v
-    if conv_layout == "SD":
-        unit, rows, row_stride = dtype_bytes, state_len, dim * dtype_bytes
-    elif conv_layout == "DS":
-        unit, rows, row_stride = state_len * dtype_bytes, 1, 0
-    else:
-        raise LayoutError(f"conv state layout {conv_layout!r} is neither 'SD' nor 'DS'")
-    return [
-        Shard(axis, tp_rank * n, n, unit, offset + at * unit, rows=rows, row_stride=row_stride)
-        for axis, n, at in (("conv_q", q, 0), ("conv_k", q, q), ("conv_v", v, 2 * q))
-    ]
-
-
-def gdn_ssm_shards(
-    num_v_heads: int, tp_rank: int, tp_size: int, head_bytes: int, offset: int = 0
-) -> list[Shard]:
-    """A GDN ssm state ``[heads, head_v_dim, head_k_dim]``: rank ``r`` holds its heads."""
-    if num_v_heads % tp_size:
-        raise LayoutError(f"{num_v_heads} ssm heads do not divide over {tp_size} TP ranks")
-    n = num_v_heads // tp_size
-    return [Shard("ssm_heads", tp_rank * n, n, head_bytes, offset)]

@@ -22,12 +22,17 @@ token-major block is one run per token, which the TP planner refuses to move).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-from kvbridge.core.block_mapping import IdArray, logical_to_kernel, pair_block_ids
+from kvbridge.core.block_mapping import (
+    GroupBlockIds,
+    IdArray,
+    group_ids,
+    logical_to_kernel,
+    pair_block_ids,
+)
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import CacheTensor, Layout
 
@@ -118,8 +123,8 @@ class Transpose:
 def received_transposes(
     src: Layout,
     dst: Layout,
-    src_block_ids: Mapping[int, Sequence[int]],
-    dst_block_ids: Mapping[int, Sequence[int]],
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
 ) -> list[Transpose]:
     """What the destination permutes once the bytes of these block ids moved from ``src`` to
     ``dst`` (empty when the two keep a block's cells in the same order)."""
@@ -133,8 +138,9 @@ def received_transposes(
         if group.kind is GroupKind.MLA:
             continue  # one latent head: the same bytes in every layout
         _, d_ids = pair_block_ids(
-            src.groups[index], group, src_block_ids[index], dst_block_ids[index]
-        )
+            src.groups[index], group, group_ids(src_block_ids, index),
+            group_ids(dst_block_ids, index),
+        )  # fmt: skip
         if d_ids.size:
             kernels = logical_to_kernel(d_ids, group.ratio)
             out.append(Transpose(index, kernels, to_head_major=is_token_major(src)))

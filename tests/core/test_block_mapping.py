@@ -10,11 +10,20 @@ from kvbridge.core import (
     CacheGroup,
     GroupKind,
     align_block_ids,
+    block_mapping,
     clip_sliding_window,
     drop_null_blocks,
     logical_to_kernel,
     pair_block_ids,
+    plan_transfers,
     prepare_block_ids,
+)
+from kvbridge.core.block_mapping import (
+    CheckedBlockIds,
+    check_group_ids,
+    held_block_ids,
+    only_groups,
+    tail_block_ids,
 )
 
 
@@ -86,3 +95,67 @@ def test_state_groups_must_name_as_many_slots_on_both_sides():
         pair_block_ids(group, group, [0, 3, 4], [0, 0, 5])
     s, d = pair_block_ids(group, group, [0, 0, 3], [0, 5])
     assert (s.tolist(), d.tolist()) == ([3], [5])
+
+
+def test_held_block_ids_drop_the_engines_placeholders_and_keep_the_running_state():
+    assert held_block_ids(GroupKind.ATTENTION, [0, 3, 0, 4], 0) == [3, 4]
+    assert held_block_ids(GroupKind.SLIDING_WINDOW, [0, 0, 5, 6], 0) == [5, 6]
+    assert held_block_ids(GroupKind.STATE, [0, 2, 3, 7, 8], 0, scratch_slots=2) == [3]
+    assert held_block_ids(GroupKind.STATE, [0, 0, 5], 0, scratch_slots=2) == [5]
+    assert held_block_ids(GroupKind.STATE, [0, 0], 0) == []
+    assert held_block_ids(GroupKind.ATTENTION, [9, 1], 9) == [1]
+    assert tail_block_ids([1, 2, 3, 4], 2) == [3, 4]
+    assert tail_block_ids([1, 2], 0) == []
+
+
+def test_checked_ids_carry_their_arrays_and_are_not_checked_again(monkeypatch):
+    from .layouts import Arena, hybrid_layout
+
+    p, d = hybrid_layout(Arena(next=4096)), hybrid_layout(Arena(next=1 << 20))
+    src, dst = {0: [1, 2, 3], 1: [0, 4]}, {0: [8, 9], 1: [0, 3]}
+    expected = plan_transfers(p, d, src, dst)
+    s = check_ids(p, src, "published")
+    t = check_ids(d, dst, "destination")
+    assert s == {0: [1, 2, 3], 1: [0, 4]} and t == dst  # plain ints, as given
+    assert s.checked[1].kept.tolist() == [4]  # the STATE rule, applied once
+    assert only_groups(s, [1]).checked[1] is s.checked[1]
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("checked ids checked again")
+
+    monkeypatch.setattr(block_mapping, "as_block_ids", refuse)
+    plan = plan_transfers(p, d, s, t)
+    assert plan.count == expected.count and plan.src.tolist() == expected.src.tolist()
+    assert plan.dst.tolist() == expected.dst.tolist()
+
+
+def test_checked_ids_of_another_group_are_checked_again():
+    small = CacheGroup(0, GroupKind.ATTENTION, 16, 4)
+    large = CacheGroup(0, GroupKind.ATTENTION, 16, 64)
+    checked = check_group_ids(large, [1, 10], "P")
+    assert check_group_ids(large, checked, "P") is checked
+    with pytest.raises(BlockIdError, match="outside"):
+        check_group_ids(small, checked, "P")
+
+
+def check_ids(layout, ids, side):
+    out = CheckedBlockIds()
+    for index, values in ids.items():
+        out.add(index, check_group_ids(layout.groups[index], values, side))
+    return out
+
+
+def test_the_control_planes_checked_ids_return_what_they_checked():
+    from kvbridge.control.requests import checked_ids
+    from kvbridge.core.errors import MessageError
+
+    from .layouts import Arena, hybrid_layout
+
+    layout = hybrid_layout(Arena(next=4096))
+    ids = checked_ids(layout, {"1": np.array([0, 5]), 0: (2, 3)}, "published")
+    assert isinstance(ids, CheckedBlockIds) and ids == {1: [0, 5], 0: [2, 3]}
+    assert type(ids[1][0]) is int and ids.checked[1].kept.tolist() == [5]
+    with pytest.raises(MessageError, match="published block ids name unknown group 7"):
+        checked_ids(layout, {7: [1]}, "published")
+    with pytest.raises(MessageError, match="repeat id 2"):
+        checked_ids(layout, {0: [2, 2]}, "destination")

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvbridge.adapters.vllm.shards import attention_shards, gdn_conv_shards, gdn_ssm_shards
 from kvbridge.core import (
     CacheGroup,
     CacheTensor,
@@ -22,10 +23,7 @@ from kvbridge.core import (
 )
 from kvbridge.core.layout import Shard
 from kvbridge.core.tp import (
-    attention_shards,
     contact_ranks,
-    gdn_conv_shards,
-    gdn_ssm_shards,
     plan_tp_pair,
     plan_tp_reads,
     plan_tp_transfers,

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbridge.adapters.vllm.shards import (
+    attention_shards,
+    gdn_conv_shards,
+    gdn_ssm_shards,
+    mla_shards,
+)
 from kvbridge.core import CacheGroup, CacheTensor, GroupKind, KVLayout, Layout, LayoutSpec
-from kvbridge.core.tp import attention_shards, gdn_conv_shards, gdn_ssm_shards, mla_shards
 
 from .layouts import Arena
 from .tp_reference import CHANNEL, TPModel, conv_bytes, local_heads

@@ -46,10 +46,15 @@ from typing import Any
 import msgspec
 import torch
 
+from kvbridge.adapters.vllm.shards import (
+    attention_shards,
+    gdn_conv_shards,
+    gdn_ssm_shards,
+    mla_shards,
+)
 from kvbridge.core.errors import LayoutError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import CacheTensor, KVLayout, LayoutSpec, Shard
-from kvbridge.core.tp import attention_shards, gdn_conv_shards, gdn_ssm_shards, mla_shards
 
 #: Head slices of attention blocks hold ``[K: N x D][V: N x D]`` (vLLM's CPU backend).
 SPLIT_HEAD_KV = "head_kv"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.control.requests import Mode, RankAddress, TransferParams
+from kvbridge.core.block_mapping import GroupBlockIds, held_block_ids, tail_block_ids
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
 
@@ -32,8 +33,6 @@ PROCESSED_KEY = "_kvbridge_processed"
 #: vLLM's null block (the first block of the pool), a placeholder in STATE/SW block lists.
 NULL_BLOCK_ID = 0
 
-BlockIdMap = dict[int, list[int]]
-
 log = logging.getLogger("kvbridge.vllm")
 
 
@@ -43,7 +42,7 @@ class LoadRequest:
 
     request_id: str
     params: dict[str, Any]  # TransferParams.to_dict()
-    block_ids: BlockIdMap
+    block_ids: GroupBlockIds
 
 
 @dataclass
@@ -51,7 +50,7 @@ class PublishRequest:
     """P: hold a finished prefill's blocks under a lease for D."""
 
     request_id: str
-    block_ids: BlockIdMap
+    block_ids: GroupBlockIds
     num_tokens: int
     mode: str
 
@@ -196,7 +195,7 @@ class SchedulerState:
             if g.kind is GroupKind.SLIDING_WINDOW and g.index in local:
                 # P's list was already cut to the window: D loads only that tail.
                 held = len(remote.block_ids.get(g.index, ()))
-                local[g.index] = local[g.index][len(local[g.index]) - held :] if held else []
+                local[g.index] = tail_block_ids(local[g.index], held)
         self._plan.loads.append(LoadRequest(request.request_id, dict(raw), local))
 
     # -- both: the end of a request ---------------------------------------------------------------
@@ -255,22 +254,18 @@ class SchedulerState:
         """A publish waits for the next step: the engine must step even when idle."""
         return bool(self._plan.publishes or self._plan.releases)
 
-    def transfer_block_ids(self, block_ids: Sequence[Sequence[int]]) -> BlockIdMap:
+    def transfer_block_ids(self, block_ids: Sequence[Sequence[int]]) -> dict[int, list[int]]:
         """Block ids per transferable group, null placeholders and scratch slots dropped.
 
         STATE groups keep only the running state slot: Mamba groups append speculative
-        scratch slots after it and hold superseded states and nulls before it.
+        scratch slots after it and hold superseded states and nulls before it (the core's
+        ``held_block_ids``, given vLLM's null block).
         """
-        out: BlockIdMap = {}
-        for g in self.groups:
-            if not g.transfer or g.index >= len(block_ids):
-                continue
-            ids = [int(b) for b in block_ids[g.index] if int(b) != NULL_BLOCK_ID]
-            if g.kind is GroupKind.STATE and ids:
-                scratch = min(g.speculative_slots, len(ids) - 1)
-                ids = ids[: len(ids) - scratch][-1:]
-            out[g.index] = ids
-        return out
+        return {
+            g.index: held_block_ids(g.kind, block_ids[g.index], NULL_BLOCK_ID, g.speculative_slots)
+            for g in self.groups
+            if g.transfer and g.index < len(block_ids)
+        }
 
 
 def _request_mode(params: Mapping[str, Any], default: Mode, request_id: str) -> Mode:
