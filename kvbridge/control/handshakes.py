@@ -89,7 +89,7 @@ class Handshakes:
             client = self._clients.get(endpoint)
             if client is None:
                 client = PeerClient(endpoint, self._plane.engine_id, secret=self._secret,
-                                    timeout=self._plane.timeout)  # fmt: skip
+                                    timeout=self._plane.deadlines.call)  # fmt: skip
                 self._clients[endpoint] = client
             return client
 
@@ -189,15 +189,15 @@ class Handshakes:
 
     def _handshake(self, params: RankAddress, retries: int = logging.INFO) -> RemoteEngine:
         plane = self._plane
-        deadline = time.monotonic() + plane.handshake_timeout
+        deadline = time.monotonic() + plane.deadlines.handshake_timeout
         delay = 0.05
         t0 = time.monotonic()
         attempt = 1
         while True:
             try:
                 client = self.client(params.endpoint)
-                reply = client.request(self._own(), min(plane.timeout, max(
-                    0.1, deadline - time.monotonic())))  # fmt: skip
+                attempt_s = plane.deadlines.handshake_attempt(deadline - time.monotonic())
+                reply = client.request(self._own(), attempt_s)
                 break
             except ControlError:
                 raise  # refused (auth, layout): retrying cannot help

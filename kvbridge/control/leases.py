@@ -138,7 +138,7 @@ class Leases:
                 plane._record(RequestOutcome(request_id, False, reason, RequestStats()))
                 log.debug("request %s: %s; blocks freed", request_id, reason)
                 return params
-            lease = _Lease(params, time.monotonic() + plane.lease)
+            lease = _Lease(params, time.monotonic() + plane.deadlines.lease)
             self._leases[request_id] = lease
             waiting = sorted(key for key in self._pending_push if key[0] == request_id)
             pushes = [self._pending_push.pop(key) for key in waiting]
@@ -168,8 +168,8 @@ class Leases:
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
         for rid in expired:
-            self._free(rid, False, f"lease of {self._plane.lease:g} s expired before decode "
-                       "released it", RequestStats(lease_expired=True))  # fmt: skip
+            self._free(rid, False, f"lease of {self._plane.deadlines.lease:g} s expired before "
+                       "decode released it", RequestStats(lease_expired=True))  # fmt: skip
 
     def close(self) -> None:
         """Free every lease (the plane is closing)."""
@@ -216,9 +216,9 @@ class Leases:
                 raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
             _require_subset(body.block_ids, lease.params.block_ids, body.request_id)
             self._join(lease, body, peer)
-            # D's read may take its transport's timeout, and its engine as long again to give
-            # the read back: the blocks must outlive both, whatever is left of the lease.
-            lease.expires_at = max(lease.expires_at, time.monotonic() + 2 * self._plane.timeout)
+            # The blocks outlive D's read and its engine giving it back (``read_hold``).
+            hold = time.monotonic() + self._plane.deadlines.read_hold
+            lease.expires_at = max(lease.expires_at, hold)
         return Ok()
 
     def on_release(self, peer: str, body: Release) -> Message:
@@ -267,7 +267,7 @@ class Leases:
             lease = self._leases.get(rid)
             if lease is None:
                 if not any(k[0] == rid for k in self._push_results):
-                    self._withdrawn[rid] = time.monotonic() + self._plane.lease
+                    self._withdrawn[rid] = time.monotonic() + self._plane.deadlines.remember
                 return
             lease.aborted = True  # push workers fence their writes, then end their parts
             handles = [r.handle for r in lease.readers.values() if r.pushing and r.handle]
@@ -303,7 +303,7 @@ class Leases:
                 if (rid, body.rank) in self._pending_push:
                     raise MessageError("duplicate", f"push of {rid!r} requested twice")
                 # P has not finished prefilling yet: write once it publishes.
-                until = time.monotonic() + self._plane.lease
+                until = time.monotonic() + self._plane.deadlines.remember
                 self._pending_push[(rid, body.rank)] = (remote, body, until)
                 log.debug("request %s: push requested before publish", rid)
                 return Ok()
@@ -328,7 +328,7 @@ class Leases:
                                   block_ids, stats)  # fmt: skip
             if plan is not None:
                 try:
-                    remote.wait_connected(plane.timeout)
+                    remote.wait_connected(plane.deadlines.connect)
                 except Exception as err:  # the connect's own error says what is wrong
                     raise TransportError(f"the transport could not reach decode: {err}") from None
                 transfers.move(TransferOp.WRITE, [(remote.engine_id, plan, reader)], stats)
@@ -348,7 +348,8 @@ class Leases:
             done = PushDone(rid, False, f"prefill could not push: {err}",
                             unproven=fence is not Fence.DRAINED)  # fmt: skip
         with self._lock:
-            self._push_results[(rid, reader.rank)] = (done, time.monotonic() + plane.lease)
+            until = time.monotonic() + plane.deadlines.remember
+            self._push_results[(rid, reader.rank)] = (done, until)
             # Fenced: the engine reads P's blocks for this part no more.
             reader.pushing, reader.done, reader.ok, reader.reason = False, True, ok, reason
             reader.handle = None
@@ -379,9 +380,9 @@ class Leases:
         for attempt in range(3):
             try:
                 start = time.monotonic()
-                self._peers.client(endpoint).request(done, plane.timeout)
+                self._peers.client(endpoint).request(done, plane.deadlines.call)
                 took = time.monotonic() - start
-                log.log(logging.WARNING if took >= plane.slow_after else logging.DEBUG,
+                log.log(logging.WARNING if took >= plane.deadlines.slow_after else logging.DEBUG,
                         "request %s: push end (ok=%s) delivered in %.3f s",
                         done.request_id, done.ok, took)  # fmt: skip
                 return

@@ -146,7 +146,7 @@ class Loads:
         rid = params.request_id
         with self._lock:
             pending = self._pending.get(rid)
-            self._aborted[rid] = time.monotonic() + self._plane.lease
+            self._aborted[rid] = time.monotonic() + self._plane.deadlines.remember
             handles = []
             if pending is not None:
                 pending.aborted, pending.abort_reason = True, reason
@@ -193,7 +193,7 @@ class Loads:
             ]
             forget_expired(self._aborted, now, lambda until: until)
         for pending in late:
-            self._settle_push_later(pending, f"no push within {self._plane.timeout:g} s")
+            self._settle_push_later(pending, f"no push within {self._plane.deadlines.timeout:g} s")
 
     def close(self) -> None:
         """Fail every load in progress (the plane is closing)."""
@@ -217,8 +217,7 @@ class Loads:
                 raise KvbridgeError(f"request {params.request_id!r} is already being loaded")
             if params.request_id in self._aborted:
                 raise KvbridgeError(f"request {params.request_id!r} was aborted")
-            # Overall bound: handshake, queueing and transfer included.
-            deadline = time.monotonic() + plane.handshake_timeout + 2 * plane.timeout
+            deadline = time.monotonic() + plane.deadlines.load
             pending = _Pending(params, ids, deadline)
             pending.parts = {p: _Part(pending, p, params.rank(p)) for p in contacts}
             self._pending[params.request_id] = pending
@@ -300,20 +299,21 @@ class Loads:
         A serving engine may hand the transfer parameters to D before its worker has published
         the request (vLLM publishes one engine step after the request finished on P).
         """
-        params, timeout = part.params, self._plane.timeout
+        params, deadlines = part.params, self._plane.deadlines
         client = self._peers.client(part.address.endpoint)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + deadlines.publish_wait
         delay = 0.005
         while True:
             try:
                 client.request(PullStart(params.request_id, params.block_ids, **self._me),
-                               timeout)  # fmt: skip
+                               deadlines.call)  # fmt: skip
                 return
             except ControlError as err:
                 if err.code != "unknown_request" or part.aborted:
                     raise
                 if time.monotonic() + delay > deadline:
-                    raise ControlError(err.code, f"{err} (waited {timeout:g} s)") from None
+                    waited = f"{err} (waited {deadlines.publish_wait:g} s)"
+                    raise ControlError(err.code, waited) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
 
@@ -325,7 +325,7 @@ class Loads:
         ask = DigestRequest(rid, pending.block_ids, plane.verify.value, **self._me)
         # P digests its side while D digests its own.
         asked = plane._fencer.submit(self._peers.client(part.address.endpoint).request, ask,
-                                     plane.timeout)  # fmt: skip
+                                     plane.deadlines.call)  # fmt: skip
         mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
         reply = asked.result()
         pending.stats.verify_s += time.monotonic() - start
@@ -364,7 +364,7 @@ class Loads:
         ask = PushRequest(rid, part.pending.block_ids, plane.verify.value, **self._me)
         try:
             with timed(part.pending.stats, "ask_s"):
-                self._peers.client(part.address.endpoint).request(ask, plane.timeout)
+                self._peers.client(part.address.endpoint).request(ask, plane.deadlines.call)
         except PeerTimeoutError:
             pass  # the request may have reached P: settled with P at the deadline
         except Exception as err:  # refused, P gone, or never sent: P writes nothing for it
@@ -474,21 +474,21 @@ class Loads:
         write, or it had succeeded), or "unknown" (P holds no write of it).
         """
         plane, rid = self._plane, part.params.request_id
-        part.asked.wait(plane.handshake_timeout + 2 * plane.timeout)
+        part.asked.wait(plane.deadlines.load)
         aborted = False
 
         def query(client: PeerClient) -> PushDone | ControlError | None:
             nonlocal aborted
             try:
                 if not aborted:
-                    client.request(Abort(rid, reason[:4000], **self._me), plane.timeout)
+                    client.request(Abort(rid, reason[:4000], **self._me), plane.deadlines.call)
                     aborted = True
-                reply = client.request(PushQuery(rid, **self._me), plane.timeout)
+                reply = client.request(PushQuery(rid, **self._me), plane.deadlines.call)
             except ControlError as err:
                 if err.code == "unknown_request":
                     return err
                 log.warning("request %s: prefill refused to say how its push ended: %s", rid, err)
-                time.sleep(min(1.0, plane.timeout))
+                time.sleep(plane.deadlines.retry_pause)
                 return None
             if isinstance(reply, PushDone):
                 return reply
@@ -525,7 +525,7 @@ class Loads:
             except Exception as err:
                 log.warning("request %s: blocks held until %s (%.0f s so far): %s",
                             rid, waiting, time.monotonic() - start, err)  # fmt: skip
-                time.sleep(min(1.0, self._plane.timeout))
+                time.sleep(self._plane.deadlines.retry_pause)
                 continue
             if answer is not None:
                 return answer
@@ -556,7 +556,7 @@ class Loads:
     def _tell(self, address: RankAddress, body: Release | Abort) -> None:
         """Send a P rank a release or abort; one that does not arrive is freed by P's lease."""
         try:
-            self._peers.client(address.endpoint).request(body, self._plane.timeout)
+            self._peers.client(address.endpoint).request(body, self._plane.deadlines.call)
         except Exception as err:
             log.info("request %s: %s not delivered to %s (%s); P's lease frees it",
                      body.request_id, type(body).__name__.lower(), address.endpoint,

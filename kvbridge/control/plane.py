@@ -30,9 +30,11 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from kvbridge.control.channel import Endpoint
+from kvbridge.control.deadlines import Deadlines
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.leases import Leases
 from kvbridge.control.loads import Loads
@@ -75,9 +77,10 @@ class ControlPlane:
 
     The layout's memory is registered with the transport here and released by ``close``.
     ``timeout`` bounds every side-channel call; transfers are bounded by the transport's own
-    ``timeout`` (give both the same value: the adapters do). ``lease`` is how long P keeps a
+    ``timeout``, which is the default (pass it only to differ). ``lease`` is how long P keeps a
     published request's blocks when D never releases them (extended while D reads them);
-    ``handshake_timeout`` bounds the retries of a handshake. ``verify`` (D: ``off``,
+    ``handshake_timeout`` bounds the retries of a handshake. Every bound the plane keeps is
+    derived from these three once, in ``deadlines`` (``Deadlines``). ``verify`` (D: ``off``,
     ``sample``, ``full``) compares digests of what P sent and D received after each load; a
     mismatch fails the load (``RequestStats.verify_failed``).
     """
@@ -91,30 +94,20 @@ class ControlPlane:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: bytes | str | None = None,
-        timeout: float = 10.0,
+        timeout: float | None = None,
         lease: float = 30.0,
         handshake_timeout: float = 10.0,
         workers: int = 4,
         verify: Verify | str = Verify.OFF,
     ) -> None:
-        for name, value in (("timeout", timeout), ("lease", lease),
-                            ("handshake_timeout", handshake_timeout)):  # fmt: skip
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        if lease < 2 * timeout:
-            raise ValueError(
-                f"lease ({lease:g} s) must be at least twice the timeout ({timeout:g} s): P "
-                "must not free blocks that D may still be reading; raise lease"
-            )
+        #: every time bound of the plane, derived once (the roles read it, never re-derive)
+        self.deadlines = Deadlines(
+            transport.timeout if timeout is None else timeout, lease, handshake_timeout
+        )
         self.engine_id = engine_id or default_engine_id()
         self.layout = layout
         self.transport = transport
-        self.timeout = timeout
-        self.lease = lease
-        self.handshake_timeout = handshake_timeout
         self.verify = Verify(verify)
-        #: a request taking this long logs where its time went (a quarter of the timeout)
-        self.slow_after = timeout / 4
         secret = secret.encode() if isinstance(secret, str) else secret
         # One lock for the plane and its roles: a step may read a lease and a peer together.
         self._lock = threading.RLock()
@@ -137,6 +130,27 @@ class ControlPlane:
             self.engine_id, self._handle, host=host, port=port, secret=secret,
             on_tick=self._tick,
         )  # fmt: skip
+
+    # -- settings: read from ``deadlines``; a change of one derives every bound again ----------
+    @property
+    def timeout(self) -> float:
+        return self.deadlines.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self.deadlines = replace(self.deadlines, timeout=value)
+
+    @property
+    def lease(self) -> float:
+        return self.deadlines.lease
+
+    @property
+    def handshake_timeout(self) -> float:
+        return self.deadlines.handshake_timeout
+
+    @handshake_timeout.setter
+    def handshake_timeout(self, value: float) -> None:
+        self.deadlines = replace(self.deadlines, handshake_timeout=value)
 
     @property
     def endpoint(self) -> str:

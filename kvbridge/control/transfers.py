@@ -99,7 +99,7 @@ class Transfers:
         plane = self._plane
         start = time.monotonic()
         while True:
-            fence = plane.transport.fence(handle, plane.timeout)
+            fence = plane.transport.fence(handle, plane.deadlines.fence_round)
             if fence is not Fence.PENDING or plane._closed:
                 break
             log.warning(
@@ -115,7 +115,7 @@ class Transfers:
         """One warning with the breakdown for a request that took a large part of its timeout,
         so that a slow load says where its time went (this side's queue, the handshake, the
         peer's answer, the engine's transfer, a fence)."""
-        if stats.total_s < self._plane.slow_after:
+        if stats.total_s < self._plane.deadlines.slow_after:
             return
         parts = ("queued_s", "handshake_s", "ask_s", "plan_s", "transfer_s", "fence_s",
                  "verify_s")  # fmt: skip
