@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -271,31 +271,50 @@ class ControlPlane:
         self._finished_cond.notify_all()
 
     def _handle(self, peer: str, body: Message) -> Message | Future[Message]:
-        """Answer a peer's request (in the endpoint's thread)."""
-        if isinstance(body, Handshake):
-            return self._peers.answer(body)
-        if isinstance(body, PullStart):
-            return self._prefill.on_pull_start(peer, body)
-        if isinstance(body, Release):
-            return self._prefill.on_release(peer, body)
-        if isinstance(body, Abort):
-            self._prefill.on_abort(body)
-            return Ok()
-        if isinstance(body, PushRequest):
-            return self._prefill.on_push_request(peer, body)
-        if isinstance(body, PushDone):
-            self._decode.on_push_done(body, peer)
-            return Ok()
-        if isinstance(body, PushQuery):
-            return self._prefill.on_push_query(body)
-        if isinstance(body, Ping):
-            return Ok()
-        if isinstance(body, DigestRequest):
-            return self._prefill.on_digest_request(peer, body)
-        raise MessageError("unexpected", f"{type(body).__name__} is not a request")
+        """Answer a peer's request (in the endpoint's thread), as ``_PROTOCOL`` says."""
+        answer = _PROTOCOL.get(type(body))
+        if answer is None:
+            raise MessageError("unexpected", f"{type(body).__name__} is not a request")
+        return answer(self, peer, body)
 
     def _tick(self) -> None:
         """Housekeeping, in the endpoint's thread: expired leases, late pushes, old memories."""
         now = time.monotonic()
         self._prefill.expire(now)
         self._decode.expire(now)
+
+
+#: How this engine answers a request from the peer engine ``peer``: a reply, or a future of one
+#: (the endpoint answers other requests meanwhile). A ``MessageError`` it raises is the reply.
+_Answer = Callable[[ControlPlane, str, Any], "Message | Future[Message]"]
+
+
+def _acked(answer: Callable[[ControlPlane, str, Any], None]) -> _Answer:
+    """An answer that is only ``Ok`` once the role took the message."""
+
+    def acked(plane: ControlPlane, peer: str, body: Any) -> Message:
+        answer(plane, peer, body)
+        return Ok()
+
+    return acked
+
+
+#: The side-channel protocol, every request a peer may send and who answers it (the roles are
+#: looked up at each call: a test may replace one's method on the instance). Any other message
+#: is refused (``unexpected``); replies (``Ok``, ``Digest``, ``ErrorReply``) and the
+#: authentication messages never come here.
+_PROTOCOL: dict[type[Message], _Answer] = {
+    # either side: a peer's layout and transport; answered with ours
+    Handshake: lambda plane, peer, body: plane._peers.answer(body),
+    # to P, from a D rank: pull (claim, then release), push (ask, then ask how it ended)
+    PullStart: lambda plane, peer, body: plane._prefill.on_pull_start(peer, body),
+    Release: lambda plane, peer, body: plane._prefill.on_release(peer, body),
+    PushRequest: lambda plane, peer, body: plane._prefill.on_push_request(peer, body),
+    PushQuery: lambda plane, peer, body: plane._prefill.on_push_query(body),
+    DigestRequest: lambda plane, peer, body: plane._prefill.on_digest_request(peer, body),
+    Abort: _acked(lambda plane, peer, body: plane._prefill.on_abort(body)),
+    # to D, from a P rank: how its push ended
+    PushDone: _acked(lambda plane, peer, body: plane._decode.on_push_done(body, peer)),
+    # any side: is the peer alive and serving
+    Ping: lambda plane, peer, body: Ok(),
+}
