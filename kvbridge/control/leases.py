@@ -37,9 +37,9 @@ from kvbridge.control.requests import (
     checked_ids,
     forget_expired,
 )
-from kvbridge.control.transfers import Transfers
+from kvbridge.control.transfers import Transfers, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
-from kvbridge.core.integrity import Verify, chosen, digest
+from kvbridge.core.integrity import Verify
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
@@ -256,8 +256,8 @@ class Leases:
             raise MessageError("invalid", f"nothing of {body.request_id!r} moves to that rank")
         # Hashing a large request takes long: the endpoint answers others meanwhile. P still
         # holds the blocks: D keeps its claim until it has the digest.
-        which = chosen(plan.count, check, body.request_id)
-        return self._plane._hasher.submit(lambda: Digest(digest(plan.src, plan.lengths, which)))
+        rid = body.request_id
+        return self._plane._hasher.submit(lambda: Digest(plan_digest(plan, "src", check, rid)))
 
     def on_abort(self, body: Abort) -> None:
         rid = body.request_id
@@ -335,7 +335,7 @@ class Leases:
             check = Verify(request.verify)
             value = None
             if check is not Verify.OFF and plan is not None:
-                value = digest(plan.src, plan.lengths, chosen(plan.count, check, rid))
+                value = plan_digest(plan, "src", check, rid)
             done = PushDone(
                 rid, True, "", stats.nbytes, stats.descriptors, stats.descriptors_before_merge,
                 stats.plan_s, stats.transfer_s, digest=value,

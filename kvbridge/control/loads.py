@@ -41,7 +41,7 @@ from kvbridge.control.requests import (
     forget_expired,
     timed,
 )
-from kvbridge.control.transfers import Transfers
+from kvbridge.control.transfers import Transfers, plan_digest
 from kvbridge.core.errors import (
     ControlError,
     IntegrityError,
@@ -50,7 +50,7 @@ from kvbridge.core.errors import (
     PeerRefusedError,
     PeerTimeoutError,
 )
-from kvbridge.core.integrity import Verify, chosen, digest
+from kvbridge.core.integrity import Verify
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
@@ -326,7 +326,7 @@ class Loads:
         # P digests its side while D digests its own.
         asked = plane._fencer.submit(self._peers.client(part.address.endpoint).request, ask,
                                      plane.deadlines.call)  # fmt: skip
-        mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
+        mine = plan_digest(plan, "dst", plane.verify, rid)
         reply = asked.result()
         pending.stats.verify_s += time.monotonic() - start
         theirs = reply.value if isinstance(reply, Digest) else None
@@ -423,7 +423,7 @@ class Loads:
                                 pending.block_ids)  # fmt: skip
             mine = None
             if plan is not None:
-                mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
+                mine = plan_digest(plan, "dst", plane.verify, rid)
         except Exception as err:
             self._end_part(part, False, f"integrity check could not run: {err}")
             return

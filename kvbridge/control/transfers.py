@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from kvbridge.control.messages import BlockIds
 from kvbridge.control.requests import RequestStats, TransferParams
 from kvbridge.core.errors import KvbridgeError
+from kvbridge.core.integrity import Verify, chosen, digest
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair
@@ -36,6 +37,17 @@ class Holder(Protocol):
 
     @property
     def aborted(self) -> bool: ...
+
+
+def plan_digest(
+    plan: TransferPlan, side: Literal["src", "dst"], check: Verify, request_id: str
+) -> int:
+    """The integrity digest of one side's bytes of ``plan``: ``src`` on P (what it holds or
+    wrote), ``dst`` on D (what it read or holds now). Both sides choose the same descriptors
+    for one request and ``check`` (``kvbridge.core.integrity.chosen``), so equal bytes give
+    equal digests."""
+    addrs = plan.src if side == "src" else plan.dst
+    return digest(addrs, plan.lengths, chosen(plan.count, check, request_id))
 
 
 class Transfers:
