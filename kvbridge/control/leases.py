@@ -28,6 +28,7 @@ from kvbridge.control.messages import (
     PushQuery,
     PushRequest,
     Release,
+    TransferFigures,
 )
 from kvbridge.control.requests import (
     Mode,
@@ -336,17 +337,14 @@ class Leases:
             value = None
             if check is not Verify.OFF and plan is not None:
                 value = plan_digest(plan, "src", check, rid)
-            done = PushDone(
-                rid, True, "", stats.nbytes, stats.descriptors, stats.descriptors_before_merge,
-                stats.plan_s, stats.transfer_s, digest=value,
-            )  # fmt: skip
+            done = PushDone(rid, True, "", stats.figures(), digest=value)
             ok, reason = True, "pushed to decode"
         except Exception as err:
             ok, reason = False, str(err)
             handle = reader.handle
             fence = Fence.DRAINED if handle is None else transfers.fence(handle, rid, stats)
-            done = PushDone(rid, False, f"prefill could not push: {err}",
-                            unproven=fence is not Fence.DRAINED)  # fmt: skip
+            unproven = TransferFigures(unproven=fence is not Fence.DRAINED)
+            done = PushDone(rid, False, f"prefill could not push: {err}", unproven)
         with self._lock:
             until = time.monotonic() + plane.deadlines.remember
             self._push_results[(rid, reader.rank)] = (done, until)

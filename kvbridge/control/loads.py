@@ -395,13 +395,7 @@ class Loads:
             if part.reported or part.ended:
                 return
             part.reported = True
-            stats = pending.stats
-            stats.nbytes += body.nbytes
-            stats.descriptors += body.descriptors
-            stats.descriptors_before_merge += body.descriptors_before_merge
-            stats.plan_s = max(stats.plan_s, body.plan_s)
-            stats.transfer_s = max(stats.transfer_s, body.transfer_s)
-            stats.unproven = stats.unproven or body.unproven
+            pending.stats.add_pushed(body.figures)
             if body.unproven:  # nothing proves P's engine stopped writing here
                 part.settling = True
         if body.unproven:
