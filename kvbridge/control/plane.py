@@ -18,7 +18,9 @@ failed transfer's bytes stopped (``Fence.UNPROVEN``), the blocks stay held for g
 ``ControlPlane`` owns what the engine's roles share (endpoint, transport registration, worker
 pools, lock, outcomes, housekeeping) and composes them: ``leases.Leases`` (the prefill side),
 ``loads.Loads`` (the decode side) and ``handshakes.Handshakes`` (peers and their clients), with
-``transfers.Transfers`` for the transfer steps both sides take.
+``transfers.Transfers`` for the transfer steps both sides take. The roles get what they share
+as one ``context.PlaneContext`` (never the plane itself), and every time bound from its
+``deadlines.Deadlines``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvbridge.control.channel import Endpoint
+from kvbridge.control.context import PlaneContext
 from kvbridge.control.deadlines import Deadlines
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.leases import Leases
@@ -100,38 +103,60 @@ class ControlPlane:
         workers: int = 4,
         verify: Verify | str = Verify.OFF,
     ) -> None:
-        #: every time bound of the plane, derived once (the roles read it, never re-derive)
-        self.deadlines = Deadlines(
+        # Every time bound of the plane, derived once (the roles read it, never re-derive).
+        deadlines = Deadlines(
             transport.timeout if timeout is None else timeout, lease, handshake_timeout
         )
         self.engine_id = engine_id or default_engine_id()
         self.layout = layout
         self.transport = transport
-        self.verify = Verify(verify)
         secret = secret.encode() if isinstance(secret, str) else secret
-        # One lock for the plane and its roles: a step may read a lease and a peer together.
-        self._lock = threading.RLock()
-        self._finished_cond = threading.Condition(self._lock)
+        lock = threading.RLock()
+        self._lock = lock
+        self._finished_cond = threading.Condition(lock)
         self._finished: dict[str, RequestOutcome] = {}
-        self._closed = False
         transport.register(layout.registration)
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request")
-        # Fences and settling may wait long on a frozen peer: they never take a request worker.
-        self._fencer = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence")
-        # D asks P to start a pull while it plans the read (the two need nothing of each other).
-        self._asker = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask")
-        # P's digests for D's checks: memory-bound, off the endpoint thread.
-        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest")
-        self._peers = Handshakes(self, secret)
-        transfers = Transfers(self)
-        self._prefill = Leases(self, self._peers, transfers)
-        self._decode = Loads(self, self._peers, transfers)
+        #: what the roles share, handed to them instead of the plane (``PlaneContext``)
+        self._ctx = ctx = PlaneContext(
+            self.engine_id, layout, transport, lock,
+            # looked up at each outcome: a test may wrap the class's ``_record``
+            record=lambda outcome: self._record(outcome),
+            deadlines=deadlines, verify=Verify(verify),
+            requests=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request"),
+            peer_waits=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence"),
+            asks=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask"),
+            digests=ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest"),
+        )  # fmt: skip
+        self._peers = Handshakes(ctx, secret)
+        transfers = Transfers(ctx)
+        self._prefill = Leases(ctx, self._peers, transfers)
+        self._decode = Loads(ctx, self._peers, transfers)
         self._endpoint = Endpoint(
             self.engine_id, self._handle, host=host, port=port, secret=secret,
             on_tick=self._tick,
         )  # fmt: skip
+        ctx.endpoint = self._endpoint.address
 
-    # -- settings: read from ``deadlines``; a change of one derives every bound again ----------
+    # -- settings: the roles read them from the context; a change derives every bound again -----
+    @property
+    def deadlines(self) -> Deadlines:
+        """Every time bound of the plane, derived from ``timeout``, ``lease`` and
+        ``handshake_timeout``."""
+        return self._ctx.deadlines
+
+    @deadlines.setter
+    def deadlines(self, value: Deadlines) -> None:
+        self._ctx.deadlines = value
+
+    @property
+    def verify(self) -> Verify:
+        """D: the integrity check after each load (``off``, ``sample``, ``full``)."""
+        return self._ctx.verify
+
+    @verify.setter
+    def verify(self, value: Verify | str) -> None:
+        self._ctx.verify = Verify(value)
+
     @property
     def timeout(self) -> float:
         return self.deadlines.timeout
@@ -225,7 +250,7 @@ class ControlPlane:
     @property
     def closed(self) -> bool:
         """Whether ``close`` was called."""
-        return self._closed
+        return self._ctx.closed
 
     def connect_early(
         self, endpoints: Sequence[str], patience: float = 300.0
@@ -244,17 +269,18 @@ class ControlPlane:
 
     def close(self) -> None:
         """Stop serving, fail what is pending, free every lease and registration."""
+        ctx = self._ctx
         with self._lock:
-            if self._closed:
+            if ctx.closed:
                 return
-            self._closed = True
+            ctx.closing.set()
         self._decode.close()
         self._prefill.close()
         self._endpoint.close()
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._asker.shutdown(wait=True, cancel_futures=True)  # after the pulls that wait on it
-        self._fencer.shutdown(wait=True, cancel_futures=True)
-        self._hasher.shutdown(wait=True, cancel_futures=True)
+        ctx.requests.shutdown(wait=True, cancel_futures=True)
+        ctx.asks.shutdown(wait=True, cancel_futures=True)  # after the pulls that wait on it
+        ctx.peer_waits.shutdown(wait=True, cancel_futures=True)
+        ctx.digests.shutdown(wait=True, cancel_futures=True)
         self._peers.close()
         self.transport.deregister(self.layout.registration)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
+from kvbridge.control.context import PlaneContext
 from kvbridge.control.messages import BlockIds
 from kvbridge.control.requests import RequestStats, TransferParams
 from kvbridge.core.errors import KvbridgeError
@@ -19,9 +20,6 @@ from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
-
-if TYPE_CHECKING:
-    from kvbridge.control.plane import ControlPlane
 
 log = logging.getLogger("kvbridge.control")
 
@@ -53,9 +51,9 @@ def plan_digest(
 class Transfers:
     """The transfer steps both sides share, on the plane's transport and under its lock."""
 
-    def __init__(self, plane: ControlPlane) -> None:
-        self._plane = plane
-        self._lock = plane._lock
+    def __init__(self, ctx: PlaneContext) -> None:
+        self._ctx = ctx
+        self._lock = ctx.lock
 
     @staticmethod
     def plan(
@@ -82,7 +80,7 @@ class Transfers:
         An abort that came before a submission stops it; one that comes during it finds the
         handle and releases it (the wait then fails, and the caller fences).
         """
-        transport = self._plane.transport
+        transport = self._ctx.transport
         start = time.monotonic()
         for peer, plan, holder in parts:
             with self._lock:
@@ -108,16 +106,16 @@ class Transfers:
         ``PENDING`` only when the plane is closing; ``UNPROVEN`` when nothing proves the bytes
         stopped (the caller holds the memory for good).
         """
-        plane = self._plane
+        ctx = self._ctx
         start = time.monotonic()
         while True:
-            fence = plane.transport.fence(handle, plane.deadlines.fence_round)
-            if fence is not Fence.PENDING or plane._closed:
+            fence = ctx.transport.fence(handle, ctx.deadlines.fence_round)
+            if fence is not Fence.PENDING or ctx.closed:
                 break
             log.warning(
                 "request %s: the %s engine still holds part of a given-up transfer after %.0f s; "
                 "its blocks stay out of use until it gives it back",
-                rid, plane.transport.name, time.monotonic() - start,
+                rid, ctx.transport.name, time.monotonic() - start,
             )  # fmt: skip
         stats.fence_s = time.monotonic() - start
         stats.unproven = fence is not Fence.DRAINED
@@ -127,7 +125,7 @@ class Transfers:
         """One warning with the breakdown for a request that took a large part of its timeout,
         so that a slow load says where its time went (this side's queue, the handshake, the
         peer's answer, the engine's transfer, a fence)."""
-        if stats.total_s < self._plane.deadlines.slow_after:
+        if stats.total_s < self._ctx.deadlines.slow_after:
             return
         parts = ("queued_s", "handshake_s", "ask_s", "plan_s", "transfer_s", "fence_s",
                  "verify_s")  # fmt: skip
