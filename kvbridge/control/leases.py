@@ -39,29 +39,27 @@ from kvbridge.control.requests import (
     checked_ids,
     forget_expired,
 )
-from kvbridge.control.transfers import Transfers, plan_digest
+from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
-from kvbridge.core.transport import Fence, TransferHandle, TransferOp
+from kvbridge.core.transport import Fence, TransferOp
 
 log = logging.getLogger("kvbridge.control")
 
 
 @dataclass
-class _Reader:
-    """One decode TP rank's part of a published request: its claim (pull) or P's write (push)."""
+class _Reader(RankPart):
+    """One decode TP rank's part of a published request: its claim (pull) or P's write (push).
+
+    ``rank`` is the D rank; ``ended`` once released (pull), the push ended, or the rank reads
+    nothing here; ``handle``: P's write in flight (push), released when D aborts.
+    """
 
     lease: _Lease
-    rank: int
+    #: the D rank's engine, which alone may release or ask about this part
     engine_id: str = ""
     pushing: bool = False
-    #: released (pull), the push ended, or the rank reads nothing: its part of the lease is over
-    done: bool = False
-    ok: bool = True
-    reason: str = ""
-    #: P's write in flight (push), released when D aborts
-    handle: TransferHandle | None = None
 
     @property
     def params(self) -> TransferParams:
@@ -91,7 +89,7 @@ class _Lease:
     def over(self) -> bool:
         """Every D rank that reads it is done."""
         return self.expected is not None and all(
-            rank in self.readers and self.readers[rank].done for rank in self.expected
+            rank in self.readers and self.readers[rank].ended for rank in self.expected
         )
 
 
@@ -202,7 +200,7 @@ class Leases:
             raise MessageError("duplicate", f"request {rid!r} is already taken by decode rank "
                                f"{body.rank}")  # fmt: skip
         lease.expected = expected
-        reader = _Reader(lease, body.rank, peer)
+        reader = _Reader(lease, peer, rank=body.rank)
         lease.readers[body.rank] = reader
         return reader
 
@@ -231,10 +229,9 @@ class Leases:
             elif reader.engine_id != peer or reader.pushing:
                 raise MessageError("not_yours", f"engine {peer!r} cannot release decode rank "
                                    f"{body.rank}'s part of {body.request_id!r}")  # fmt: skip
-            if reader.done:
+            if reader.ended:
                 return Ok()  # a repeated release
-            reader.done, reader.ok = True, body.ok
-            reader.reason = "released by decode" if body.ok else body.reason
+            reader.end(body.ok, "released by decode" if body.ok else body.reason)
         self._end_if_over(lease)
         return Ok()
 
@@ -347,8 +344,8 @@ class Leases:
             until = time.monotonic() + ctx.deadlines.remember
             self._push_results[(rid, reader.rank)] = (done, until)
             # Fenced: the engine reads P's blocks for this part no more.
-            reader.pushing, reader.done, reader.ok, reader.reason = False, True, ok, reason
-            reader.handle = None
+            reader.pushing, reader.handle = False, None
+            reader.end(ok, reason)
         stats.total_s = time.monotonic() - started
         self._end_if_over(reader.lease, stats)
         transfers.report_slow("push", rid, stats)

@@ -42,7 +42,7 @@ from kvbridge.control.requests import (
     forget_expired,
     timed,
 )
-from kvbridge.control.transfers import Transfers, plan_digest
+from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import (
     ControlError,
     IntegrityError,
@@ -54,7 +54,7 @@ from kvbridge.core.errors import (
 from kvbridge.core.integrity import Verify
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair
-from kvbridge.core.transport import Fence, TransferHandle, TransferOp
+from kvbridge.core.transport import Fence, TransferOp
 from kvbridge.core.transpose import received_transposes
 
 log = logging.getLogger("kvbridge.control")
@@ -63,26 +63,24 @@ _A = TypeVar("_A")
 
 
 @dataclass
-class _Part:
-    """D's load of a request from one P rank (one of ``contact_ranks``)."""
+class _Part(RankPart):
+    """D's load of a request from one P rank (one of ``contact_ranks``).
+
+    ``rank`` is the P rank; ``handle``: D's own read in flight (pull), released when the
+    request is aborted; ``ended`` once no byte from that rank can still land.
+    """
 
     pending: _Pending
-    rank: int
     address: RankAddress
     remote: RemoteEngine | None = None
     #: what this P rank moves to this D rank (None: nothing, or not planned yet)
     plan: TransferPlan | None = None
-    #: D's own read in flight (pull), released when the request is aborted
-    handle: TransferHandle | None = None
     #: push: the push request was sent (or failed); only then may D ask how the push ended
     asked: threading.Event = field(default_factory=threading.Event)
     #: push: D is asking P how the push ended (deadline passed, aborted, or PushQuery)
     settling: bool = False
     #: push: P's word arrived (its figures are counted once)
     reported: bool = False
-    ended: bool = False
-    ok: bool = False
-    reason: str = ""
 
     @property
     def params(self) -> TransferParams:
@@ -217,7 +215,7 @@ class Loads:
                 raise KvbridgeError(f"request {params.request_id!r} was aborted")
             deadline = time.monotonic() + ctx.deadlines.load
             pending = _Pending(params, ids, deadline)
-            pending.parts = {p: _Part(pending, p, params.rank(p)) for p in contacts}
+            pending.parts = {p: _Part(pending, params.rank(p), rank=p) for p in contacts}
             self._pending[params.request_id] = pending
         return pending
 
@@ -437,7 +435,7 @@ class Loads:
         with self._lock:
             if part.ended:
                 return
-            part.ended, part.ok, part.reason = True, ok, reason
+            part.end(ok, reason)
             parts = list(pending.parts.values())
             over = all(p.ended for p in parts)
         if not over:

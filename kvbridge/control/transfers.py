@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal
 
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.messages import BlockIds
@@ -24,17 +25,37 @@ from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 log = logging.getLogger("kvbridge.control")
 
 
-class Holder(Protocol):
-    """A transfer an abort may stop: one D rank's part of P's lease (push) or of D's load (pull)."""
+@dataclass(kw_only=True)
+class RankPart:
+    """One pair of TP ranks' share of a request, as this side holds it: on P, a D rank's part
+    of P's lease (``leases._Reader``: its claim, or P's write to it); on D, a P rank's part of
+    D's load (``loads._Part``: D's read from it, or its write). What each side keeps beyond
+    this is its own; the transfer steps here take either.
 
-    #: the transfer in flight, for the abort to release and the failure to fence
-    handle: TransferHandle | None
+    ``rank`` is the other side's TP rank. The part is over once ``ended`` (``end``): nothing of
+    its transfer can still move, and ``ok``/``reason`` say how it ended.
+    """
+
+    rank: int
+    #: the transfer in flight, for an abort to release and a failure to fence
+    handle: TransferHandle | None = None
+    ended: bool = False
+    ok: bool = False
+    reason: str = ""
 
     @property
-    def params(self) -> TransferParams: ...
+    def params(self) -> TransferParams:
+        """The request this is a part of."""
+        raise NotImplementedError
 
     @property
-    def aborted(self) -> bool: ...
+    def aborted(self) -> bool:
+        """Whether the request was aborted (a transfer not started yet never starts)."""
+        raise NotImplementedError
+
+    def end(self, ok: bool, reason: str) -> None:
+        """The part is over; lock held."""
+        self.ended, self.ok, self.reason = True, ok, reason
 
 
 def plan_digest(
@@ -71,10 +92,10 @@ class Transfers:
         return plan
 
     def move(
-        self, op: TransferOp, parts: Sequence[tuple[str, TransferPlan, Holder]],
+        self, op: TransferOp, parts: Sequence[tuple[str, TransferPlan, RankPart]],
         stats: RequestStats,
     ) -> None:  # fmt: skip
-        """Submit each part's plan to its peer, then wait for them all; each ``holder.handle``
+        """Submit each part's plan to its peer, then wait for them all; each ``part.handle``
         keeps its batch for abort and fence (on failure the caller fences every one set).
 
         An abort that came before a submission stops it; one that comes during it finds the
@@ -82,22 +103,22 @@ class Transfers:
         """
         transport = self._ctx.transport
         start = time.monotonic()
-        for peer, plan, holder in parts:
+        for peer, plan, part in parts:
             with self._lock:
-                if holder.aborted:
+                if part.aborted:
                     raise KvbridgeError("aborted by decode before the transfer started")
             local, remote, lengths = plan.local_remote(op)
             handle = transport.submit(op, peer, local, remote, lengths)
             log.debug("request %s: %s of %d descriptors submitted to %s",
-                      holder.params.request_id, op.value, len(lengths), peer)  # fmt: skip
+                      part.params.request_id, op.value, len(lengths), peer)  # fmt: skip
             with self._lock:
-                holder.handle = handle
-                aborted = holder.aborted
+                part.handle = handle
+                aborted = part.aborted
             if aborted:
                 transport.release(handle)
-        for _, _, holder in parts:
-            assert holder.handle is not None
-            transport.wait(holder.handle)
+        for _, _, part in parts:
+            assert part.handle is not None
+            transport.wait(part.handle)
         stats.transfer_s = time.monotonic() - start
 
     def fence(self, handle: TransferHandle, rid: str, stats: RequestStats) -> Fence:
