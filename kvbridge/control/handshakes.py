@@ -12,9 +12,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 from kvbridge.control.channel import PeerClient
+from kvbridge.control.context import PlaneContext
 from kvbridge.control.messages import Handshake
 from kvbridge.control.requests import RankAddress, RequestStats, timed
 from kvbridge.core.compat import check_compatible
@@ -26,9 +26,6 @@ from kvbridge.core.errors import (
     MessageError,
 )
 from kvbridge.core.layout import Layout
-
-if TYPE_CHECKING:
-    from kvbridge.control.plane import ControlPlane
 
 log = logging.getLogger("kvbridge.control")
 
@@ -63,11 +60,11 @@ class RemoteEngine:
 class Handshakes:
     """The engines this one handshook with, either way, and one side-channel client per peer."""
 
-    def __init__(self, plane: ControlPlane, secret: bytes | None) -> None:
-        self._plane = plane
-        self._lock = plane._lock
+    def __init__(self, ctx: PlaneContext, secret: bytes | None) -> None:
+        self._ctx = ctx
+        self._lock = ctx.lock
         self._secret = secret
-        self._metadata = plane.transport.metadata()
+        self._metadata = ctx.transport.metadata()
         self._remotes: dict[str, RemoteEngine] = {}  # by engine id (peers that handshook us)
         self._by_endpoint: dict[str, RemoteEngine] = {}  # engines we handshook, by endpoint
         self._clients: dict[str, PeerClient] = {}
@@ -88,8 +85,8 @@ class Handshakes:
         with self._lock:
             client = self._clients.get(endpoint)
             if client is None:
-                client = PeerClient(endpoint, self._plane.engine_id, secret=self._secret,
-                                    timeout=self._plane.timeout)  # fmt: skip
+                client = PeerClient(endpoint, self._ctx.engine_id, secret=self._secret,
+                                    timeout=self._ctx.deadlines.call)  # fmt: skip
                 self._clients[endpoint] = client
             return client
 
@@ -101,24 +98,24 @@ class Handshakes:
     # -- answering a peer -------------------------------------------------------------------------
     def answer(self, body: Handshake) -> Handshake:
         """Check a peer's handshake, connect the transport to it, and answer with ours."""
-        plane = self._plane
+        ctx = self._ctx
         try:
             remote = Layout(body.layout)
         except KvbridgeError as err:
             raise MessageError("layout", f"invalid layout from {body.engine_id}: {err}") from None
         try:
-            check_compatible(plane.layout, remote, ("this engine", "peer"))
+            check_compatible(ctx.layout, remote, ("this engine", "peer"))
         except LayoutMismatchError as err:
             raise MessageError("layout_mismatch", str(err)) from None
-        if body.transport != plane.transport.name:
+        if body.transport != ctx.transport.name:
             raise MessageError(
                 "transport_mismatch",
-                f"peer uses transport {body.transport!r}, this engine {plane.transport.name!r}",
+                f"peer uses transport {body.transport!r}, this engine {ctx.transport.name!r}",
             )
         # Only a push needs this side's transport to reach the peer: connect after answering,
         # so the peer's own connect (tens of ms with NIXL's add_remote_agent) runs meanwhile
         # instead of after ours. A push waits for it (``wait_connected``).
-        connecting = plane._fencer.submit(plane.transport.connect, body.engine_id, body.metadata)
+        connecting = ctx.peer_waits.submit(ctx.transport.connect, body.engine_id, body.metadata)
         connecting.add_done_callback(partial(_log_connect_failure, body.engine_id))
         with self._lock:
             self._remotes[body.engine_id] = RemoteEngine(
@@ -127,10 +124,10 @@ class Handshakes:
         return self._own()
 
     def _own(self) -> Handshake:
-        plane = self._plane
+        ctx = self._ctx
         return Handshake(
-            plane.engine_id, plane.layout.spec, plane.transport.name, self._metadata,
-            plane.endpoint,
+            ctx.engine_id, ctx.layout.spec, ctx.transport.name, self._metadata,
+            ctx.endpoint,
         )  # fmt: skip
 
     # -- handshaking a prefill engine (D) ---------------------------------------------------------
@@ -178,7 +175,7 @@ class Handshakes:
                     log.warning("early handshake with %s refused: %s", endpoint, err)
                     return None
                 except Exception as err:
-                    if time.monotonic() >= deadline or self._plane.closed:
+                    if time.monotonic() >= deadline or self._ctx.closed:
                         log.info("early handshake with %s: no answer within %.0f s (%s); the "
                                  "first request from it will handshake", endpoint, patience,
                                  type(err).__name__)  # fmt: skip
@@ -188,16 +185,16 @@ class Handshakes:
         return remote
 
     def _handshake(self, params: RankAddress, retries: int = logging.INFO) -> RemoteEngine:
-        plane = self._plane
-        deadline = time.monotonic() + plane.handshake_timeout
+        ctx = self._ctx
+        deadline = time.monotonic() + ctx.deadlines.handshake_timeout
         delay = 0.05
         t0 = time.monotonic()
         attempt = 1
         while True:
             try:
                 client = self.client(params.endpoint)
-                reply = client.request(self._own(), min(plane.timeout, max(
-                    0.1, deadline - time.monotonic())))  # fmt: skip
+                attempt_s = ctx.deadlines.handshake_attempt(deadline - time.monotonic())
+                reply = client.request(self._own(), attempt_s)
                 break
             except ControlError:
                 raise  # refused (auth, layout): retrying cannot help
@@ -221,13 +218,13 @@ class Handshakes:
                 f"{params.engine_id!r} (prefill restarted); the request's blocks are gone",
             )
         remote_layout = Layout(reply.layout)
-        check_compatible(remote_layout, plane.layout)
-        if reply.transport != plane.transport.name:
+        check_compatible(remote_layout, ctx.layout)
+        if reply.transport != ctx.transport.name:
             raise ControlError("transport_mismatch", f"prefill uses {reply.transport!r}")
         old = self.at(params.endpoint)
         if old is not None and old.engine_id != reply.engine_id:
-            plane.transport.disconnect(old.engine_id)  # P restarted: forget the old engine
-        plane.transport.connect(reply.engine_id, reply.metadata)
+            ctx.transport.disconnect(old.engine_id)  # P restarted: forget the old engine
+        ctx.transport.connect(reply.engine_id, reply.metadata)
         log.debug("handshake with %s (%s): answered in %.3f s after %d attempt(s), transport "
                   "connected in %.3f s", params.endpoint, reply.engine_id, answered - t0, attempt,
                   time.monotonic() - answered)  # fmt: skip

@@ -12,8 +12,9 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvbridge.control.context import PlaneContext
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.messages import (
     Abort,
@@ -28,6 +29,7 @@ from kvbridge.control.messages import (
     PushQuery,
     PushRequest,
     Release,
+    TransferFigures,
 )
 from kvbridge.control.requests import (
     Mode,
@@ -37,32 +39,27 @@ from kvbridge.control.requests import (
     checked_ids,
     forget_expired,
 )
-from kvbridge.control.transfers import Transfers
+from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
-from kvbridge.core.integrity import Verify, chosen, digest
+from kvbridge.core.integrity import Verify
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
-from kvbridge.core.transport import Fence, TransferHandle, TransferOp
-
-if TYPE_CHECKING:
-    from kvbridge.control.plane import ControlPlane
+from kvbridge.core.transport import Fence, TransferOp
 
 log = logging.getLogger("kvbridge.control")
 
 
 @dataclass
-class _Reader:
-    """One decode TP rank's part of a published request: its claim (pull) or P's write (push)."""
+class _Reader(RankPart):
+    """One decode TP rank's part of a published request: its claim (pull) or P's write (push).
+
+    ``rank`` is the D rank; ``ended`` once released (pull), the push ended, or the rank reads
+    nothing here; ``handle``: P's write in flight (push), released when D aborts.
+    """
 
     lease: _Lease
-    rank: int
+    #: the D rank's engine, which alone may release or ask about this part
     engine_id: str = ""
     pushing: bool = False
-    #: released (pull), the push ended, or the rank reads nothing: its part of the lease is over
-    done: bool = False
-    ok: bool = True
-    reason: str = ""
-    #: P's write in flight (push), released when D aborts
-    handle: TransferHandle | None = None
 
     @property
     def params(self) -> TransferParams:
@@ -92,7 +89,7 @@ class _Lease:
     def over(self) -> bool:
         """Every D rank that reads it is done."""
         return self.expected is not None and all(
-            rank in self.readers and self.readers[rank].done for rank in self.expected
+            rank in self.readers and self.readers[rank].ended for rank in self.expected
         )
 
 
@@ -104,11 +101,11 @@ class Leases:
     its push ended, or it had nothing to read here; or when any D rank aborted, or it expired.
     """
 
-    def __init__(self, plane: ControlPlane, peers: Handshakes, transfers: Transfers) -> None:
-        self._plane = plane
+    def __init__(self, ctx: PlaneContext, peers: Handshakes, transfers: Transfers) -> None:
+        self._ctx = ctx
         self._peers = peers
         self._transfers = transfers
-        self._lock = plane._lock
+        self._lock = ctx.lock
         self._leases: dict[str, _Lease] = {}
         # Pushes D ranks asked for before P published: (D, its request, until when), by
         # (request id, D rank).
@@ -123,11 +120,11 @@ class Leases:
         self, request_id: str, block_ids: Mapping[int, Any], num_tokens: int, mode: Mode
     ) -> TransferParams:
         """Hold a prefilled request's blocks under a lease; return what D needs to fetch them."""
-        plane = self._plane
-        ids = checked_ids(plane.layout, block_ids, "published")
+        ctx = self._ctx
+        ids = checked_ids(ctx.layout, block_ids, "published")
         params = TransferParams(
-            request_id, plane.engine_id, plane.endpoint, ids, num_tokens,
-            plane.transport.name, Mode(mode),
+            request_id, ctx.engine_id, ctx.endpoint, ids, num_tokens,
+            ctx.transport.name, Mode(mode),
         )  # fmt: skip
         with self._lock:
             if request_id in self._leases:
@@ -135,10 +132,10 @@ class Leases:
             if request_id in self._withdrawn:
                 # D gave it up before this engine published it: nobody will read the blocks.
                 reason = "aborted by decode before it was published"
-                plane._record(RequestOutcome(request_id, False, reason, RequestStats()))
+                ctx.record(RequestOutcome(request_id, False, reason, RequestStats()))
                 log.debug("request %s: %s; blocks freed", request_id, reason)
                 return params
-            lease = _Lease(params, time.monotonic() + plane.lease)
+            lease = _Lease(params, time.monotonic() + ctx.deadlines.lease)
             self._leases[request_id] = lease
             waiting = sorted(key for key in self._pending_push if key[0] == request_id)
             pushes = [self._pending_push.pop(key) for key in waiting]
@@ -168,8 +165,8 @@ class Leases:
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
         for rid in expired:
-            self._free(rid, False, f"lease of {self._plane.lease:g} s expired before decode "
-                       "released it", RequestStats(lease_expired=True))  # fmt: skip
+            self._free(rid, False, f"lease of {self._ctx.deadlines.lease:g} s expired before "
+                       "decode released it", RequestStats(lease_expired=True))  # fmt: skip
 
     def close(self) -> None:
         """Free every lease (the plane is closing)."""
@@ -183,7 +180,7 @@ class Leases:
         """The D rank's part of the lease, new; lock held. Refuses a rank that does not read
         from this P rank, or one that already took its part."""
         rid = lease.params.request_id
-        spec = self._plane.layout.spec
+        spec = self._ctx.layout.spec
         try:
             expected = reporting_ranks(spec.tp_rank, spec.tp_size, body.tp_size)
         except KvbridgeError as err:
@@ -203,7 +200,7 @@ class Leases:
             raise MessageError("duplicate", f"request {rid!r} is already taken by decode rank "
                                f"{body.rank}")  # fmt: skip
         lease.expected = expected
-        reader = _Reader(lease, body.rank, peer)
+        reader = _Reader(lease, peer, rank=body.rank)
         lease.readers[body.rank] = reader
         return reader
 
@@ -216,9 +213,9 @@ class Leases:
                 raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
             _require_subset(body.block_ids, lease.params.block_ids, body.request_id)
             self._join(lease, body, peer)
-            # D's read may take its transport's timeout, and its engine as long again to give
-            # the read back: the blocks must outlive both, whatever is left of the lease.
-            lease.expires_at = max(lease.expires_at, time.monotonic() + 2 * self._plane.timeout)
+            # The blocks outlive D's read and its engine giving it back (``read_hold``).
+            hold = time.monotonic() + self._ctx.deadlines.read_hold
+            lease.expires_at = max(lease.expires_at, hold)
         return Ok()
 
     def on_release(self, peer: str, body: Release) -> Message:
@@ -232,10 +229,9 @@ class Leases:
             elif reader.engine_id != peer or reader.pushing:
                 raise MessageError("not_yours", f"engine {peer!r} cannot release decode rank "
                                    f"{body.rank}'s part of {body.request_id!r}")  # fmt: skip
-            if reader.done:
+            if reader.ended:
                 return Ok()  # a repeated release
-            reader.done, reader.ok = True, body.ok
-            reader.reason = "released by decode" if body.ok else body.reason
+            reader.end(body.ok, "released by decode" if body.ok else body.reason)
         self._end_if_over(lease)
         return Ok()
 
@@ -249,15 +245,15 @@ class Leases:
             src_ids = lease.params.block_ids
         try:
             check = Verify(body.verify)
-            plan = plan_tp_pair(self._plane.layout, remote.layout, src_ids, body.block_ids)
+            plan = plan_tp_pair(self._ctx.layout, remote.layout, src_ids, body.block_ids)
         except (ValueError, KvbridgeError) as err:
             raise MessageError("invalid", f"cannot digest {body.request_id!r}: {err}") from None
         if plan is None:
             raise MessageError("invalid", f"nothing of {body.request_id!r} moves to that rank")
         # Hashing a large request takes long: the endpoint answers others meanwhile. P still
         # holds the blocks: D keeps its claim until it has the digest.
-        which = chosen(plan.count, check, body.request_id)
-        return self._plane._hasher.submit(lambda: Digest(digest(plan.src, plan.lengths, which)))
+        rid = body.request_id
+        return self._ctx.digests.submit(lambda: Digest(plan_digest(plan, "src", check, rid)))
 
     def on_abort(self, body: Abort) -> None:
         rid = body.request_id
@@ -267,7 +263,7 @@ class Leases:
             lease = self._leases.get(rid)
             if lease is None:
                 if not any(k[0] == rid for k in self._push_results):
-                    self._withdrawn[rid] = time.monotonic() + self._plane.lease
+                    self._withdrawn[rid] = time.monotonic() + self._ctx.deadlines.remember
                 return
             lease.aborted = True  # push workers fence their writes, then end their parts
             handles = [r.handle for r in lease.readers.values() if r.pushing and r.handle]
@@ -275,7 +271,7 @@ class Leases:
         if not pushing:
             self._free(rid, False, f"aborted by decode: {body.reason}")
         for handle in handles:
-            self._plane.transport.release(handle)
+            self._ctx.transport.release(handle)
 
     def on_push_query(self, body: PushQuery) -> Message:
         rid = body.request_id
@@ -303,7 +299,7 @@ class Leases:
                 if (rid, body.rank) in self._pending_push:
                     raise MessageError("duplicate", f"push of {rid!r} requested twice")
                 # P has not finished prefilling yet: write once it publishes.
-                until = time.monotonic() + self._plane.lease
+                until = time.monotonic() + self._ctx.deadlines.remember
                 self._pending_push[(rid, body.rank)] = (remote, body, until)
                 log.debug("request %s: push requested before publish", rid)
                 return Ok()
@@ -315,47 +311,45 @@ class Leases:
     def _start_push(self, reader: _Reader, remote: RemoteEngine, request: PushRequest) -> None:
         with self._lock:
             reader.pushing, reader.engine_id = True, remote.engine_id
-        self._plane._executor.submit(self._run_push, reader, remote, request, time.monotonic())
+        self._ctx.requests.submit(self._run_push, reader, remote, request, time.monotonic())
 
     def _run_push(
         self, reader: _Reader, remote: RemoteEngine, request: PushRequest, started: float
     ) -> None:
-        plane, transfers = self._plane, self._transfers
+        ctx, transfers = self._ctx, self._transfers
         rid, block_ids = reader.params.request_id, request.block_ids
         stats = RequestStats(queued_s=time.monotonic() - started)
         try:
-            plan = transfers.plan(plane.layout, remote.layout, reader.params.block_ids,
+            plan = transfers.plan(ctx.layout, remote.layout, reader.params.block_ids,
                                   block_ids, stats)  # fmt: skip
             if plan is not None:
                 try:
-                    remote.wait_connected(plane.timeout)
+                    remote.wait_connected(ctx.deadlines.connect)
                 except Exception as err:  # the connect's own error says what is wrong
                     raise TransportError(f"the transport could not reach decode: {err}") from None
                 transfers.move(TransferOp.WRITE, [(remote.engine_id, plan, reader)], stats)
             check = Verify(request.verify)
             value = None
             if check is not Verify.OFF and plan is not None:
-                value = digest(plan.src, plan.lengths, chosen(plan.count, check, rid))
-            done = PushDone(
-                rid, True, "", stats.nbytes, stats.descriptors, stats.descriptors_before_merge,
-                stats.plan_s, stats.transfer_s, digest=value,
-            )  # fmt: skip
+                value = plan_digest(plan, "src", check, rid)
+            done = PushDone(rid, True, "", stats.figures(), digest=value)
             ok, reason = True, "pushed to decode"
         except Exception as err:
             ok, reason = False, str(err)
             handle = reader.handle
             fence = Fence.DRAINED if handle is None else transfers.fence(handle, rid, stats)
-            done = PushDone(rid, False, f"prefill could not push: {err}",
-                            unproven=fence is not Fence.DRAINED)  # fmt: skip
+            unproven = TransferFigures(unproven=fence is not Fence.DRAINED)
+            done = PushDone(rid, False, f"prefill could not push: {err}", unproven)
         with self._lock:
-            self._push_results[(rid, reader.rank)] = (done, time.monotonic() + plane.lease)
+            until = time.monotonic() + ctx.deadlines.remember
+            self._push_results[(rid, reader.rank)] = (done, until)
             # Fenced: the engine reads P's blocks for this part no more.
-            reader.pushing, reader.done, reader.ok, reader.reason = False, True, ok, reason
-            reader.handle = None
+            reader.pushing, reader.handle = False, None
+            reader.end(ok, reason)
         stats.total_s = time.monotonic() - started
         self._end_if_over(reader.lease, stats)
         transfers.report_slow("push", rid, stats)
-        plane._fencer.submit(self._deliver, remote.endpoint, done)
+        ctx.peer_waits.submit(self._deliver, remote.endpoint, done)
 
     def _end_if_over(self, lease: _Lease, stats: RequestStats | None = None) -> None:
         """Free the lease once every reader is done, or once an aborted one pushes no more."""
@@ -375,13 +369,13 @@ class Leases:
 
     def _deliver(self, endpoint: str, done: PushDone) -> None:
         """Tell D how the push ended; a few tries, and D asks (``PushQuery``) if all fail."""
-        plane = self._plane
+        ctx = self._ctx
         for attempt in range(3):
             try:
                 start = time.monotonic()
-                self._peers.client(endpoint).request(done, plane.timeout)
+                self._peers.client(endpoint).request(done, ctx.deadlines.call)
                 took = time.monotonic() - start
-                log.log(logging.WARNING if took >= plane.slow_after else logging.DEBUG,
+                log.log(logging.WARNING if took >= ctx.deadlines.slow_after else logging.DEBUG,
                         "request %s: push end (ok=%s) delivered in %.3f s",
                         done.request_id, done.ok, took)  # fmt: skip
                 return
@@ -391,7 +385,7 @@ class Leases:
             except Exception as err:
                 log.warning("request %s: could not tell decode the push ended (try %d): %s",
                             done.request_id, attempt + 1, err)  # fmt: skip
-            if plane._closed:
+            if ctx.closed:
                 return
 
     def _free(
@@ -402,7 +396,7 @@ class Leases:
             lease = self._leases.pop(request_id, None)
             if lease is None:
                 return False
-            self._plane._record(RequestOutcome(request_id, ok, reason, stats or RequestStats()))
+            self._ctx.record(RequestOutcome(request_id, ok, reason, stats or RequestStats()))
         log.debug("request %s: blocks freed (%s)", request_id, reason)
         return True
 

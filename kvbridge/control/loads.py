@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from kvbridge.control.channel import PeerClient
+from kvbridge.control.context import PlaneContext
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.messages import (
     Abort,
@@ -41,7 +42,7 @@ from kvbridge.control.requests import (
     forget_expired,
     timed,
 )
-from kvbridge.control.transfers import Transfers
+from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import (
     ControlError,
     IntegrityError,
@@ -50,14 +51,11 @@ from kvbridge.core.errors import (
     PeerRefusedError,
     PeerTimeoutError,
 )
-from kvbridge.core.integrity import Verify, chosen, digest
+from kvbridge.core.integrity import Verify
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair
-from kvbridge.core.transport import Fence, TransferHandle, TransferOp
+from kvbridge.core.transport import Fence, TransferOp
 from kvbridge.core.transpose import received_transposes
-
-if TYPE_CHECKING:
-    from kvbridge.control.plane import ControlPlane
 
 log = logging.getLogger("kvbridge.control")
 
@@ -65,26 +63,24 @@ _A = TypeVar("_A")
 
 
 @dataclass
-class _Part:
-    """D's load of a request from one P rank (one of ``contact_ranks``)."""
+class _Part(RankPart):
+    """D's load of a request from one P rank (one of ``contact_ranks``).
+
+    ``rank`` is the P rank; ``handle``: D's own read in flight (pull), released when the
+    request is aborted; ``ended`` once no byte from that rank can still land.
+    """
 
     pending: _Pending
-    rank: int
     address: RankAddress
     remote: RemoteEngine | None = None
     #: what this P rank moves to this D rank (None: nothing, or not planned yet)
     plan: TransferPlan | None = None
-    #: D's own read in flight (pull), released when the request is aborted
-    handle: TransferHandle | None = None
     #: push: the push request was sent (or failed); only then may D ask how the push ended
     asked: threading.Event = field(default_factory=threading.Event)
     #: push: D is asking P how the push ended (deadline passed, aborted, or PushQuery)
     settling: bool = False
     #: push: P's word arrived (its figures are counted once)
     reported: bool = False
-    ended: bool = False
-    ok: bool = False
-    reason: str = ""
 
     @property
     def params(self) -> TransferParams:
@@ -121,32 +117,32 @@ class Loads:
     once every other part is fenced too (no byte of it can land any more).
     """
 
-    def __init__(self, plane: ControlPlane, peers: Handshakes, transfers: Transfers) -> None:
-        self._plane = plane
+    def __init__(self, ctx: PlaneContext, peers: Handshakes, transfers: Transfers) -> None:
+        self._ctx = ctx
         self._peers = peers
         self._transfers = transfers
-        self._lock = plane._lock
+        self._lock = ctx.lock
         self._pending: dict[str, _Pending] = {}
         self._aborted: dict[str, float] = {}  # request ids aborted on D, until when to remember
-        spec = plane.layout.spec
+        spec = ctx.layout.spec
         self._me = {"rank": spec.tp_rank, "tp_size": spec.tp_size}
 
     def pull(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
         """Start reading a request into these local blocks; the outcome comes later."""
         pending = self._begin(params, block_ids)
-        self._plane._executor.submit(self._run_pull, pending)
+        self._ctx.requests.submit(self._run_pull, pending)
 
     def push(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
         """Ask P to write a request into these local blocks; the outcome comes later."""
         pending = self._begin(params, block_ids)
-        self._plane._executor.submit(self._run_push_request, pending)
+        self._ctx.requests.submit(self._run_push_request, pending)
 
     def abort(self, params: TransferParams, reason: str) -> None:
         """Give up a request, before or during its load; P is told so it frees the blocks."""
         rid = params.request_id
         with self._lock:
             pending = self._pending.get(rid)
-            self._aborted[rid] = time.monotonic() + self._plane.lease
+            self._aborted[rid] = time.monotonic() + self._ctx.deadlines.remember
             handles = []
             if pending is not None:
                 pending.aborted, pending.abort_reason = True, reason
@@ -158,14 +154,14 @@ class Loads:
                 log.warning("request %s: abort not sent (%s); P's lease frees it", rid, err)
                 return
             for address in addresses:
-                self._plane._executor.submit(self._tell, address, Abort(rid, reason, **self._me))
+                self._ctx.requests.submit(self._tell, address, Abort(rid, reason, **self._me))
         elif params.mode is Mode.PUSH:
             self._settle_push_later(pending, reason)
         else:
             # The pull's worker sees the flag (or its wait fails on the release), fences its
             # reads, reports the outcome and tells P.
             for handle in handles:
-                self._plane.transport.release(handle)
+                self._ctx.transport.release(handle)
 
     @property
     def held(self) -> list[str]:
@@ -193,7 +189,7 @@ class Loads:
             ]
             forget_expired(self._aborted, now, lambda until: until)
         for pending in late:
-            self._settle_push_later(pending, f"no push within {self._plane.timeout:g} s")
+            self._settle_push_later(pending, f"no push within {self._ctx.deadlines.timeout:g} s")
 
     def close(self) -> None:
         """Fail every load in progress (the plane is closing)."""
@@ -203,24 +199,23 @@ class Loads:
             self._finish_pending(request_id, False, "the control plane was closed", closing=True)
 
     def _contacts(self, params: TransferParams) -> range:
-        spec = self._plane.layout.spec
+        spec = self._ctx.layout.spec
         return contact_ranks(spec.tp_rank, spec.tp_size, params.tp_size)
 
     def _begin(self, params: TransferParams, block_ids: Mapping[int, Any]) -> _Pending:
-        plane = self._plane
-        ids = checked_ids(plane.layout, block_ids, "destination")
+        ctx = self._ctx
+        ids = checked_ids(ctx.layout, block_ids, "destination")
         contacts = self._contacts(params)
         with self._lock:
-            if plane._closed:
+            if ctx.closed:
                 raise KvbridgeError("the control plane is closed")
             if params.request_id in self._pending:
                 raise KvbridgeError(f"request {params.request_id!r} is already being loaded")
             if params.request_id in self._aborted:
                 raise KvbridgeError(f"request {params.request_id!r} was aborted")
-            # Overall bound: handshake, queueing and transfer included.
-            deadline = time.monotonic() + plane.handshake_timeout + 2 * plane.timeout
+            deadline = time.monotonic() + ctx.deadlines.load
             pending = _Pending(params, ids, deadline)
-            pending.parts = {p: _Part(pending, p, params.rank(p)) for p in contacts}
+            pending.parts = {p: _Part(pending, params.rank(p), rank=p) for p in contacts}
             self._pending[params.request_id] = pending
         return pending
 
@@ -239,23 +234,23 @@ class Loads:
             part.remote = remote
         layouts = {r: part.remote.layout for r, part in pending.parts.items() if part.remote}
         start = time.monotonic()
-        check_coverage(layouts, self._plane.layout)
+        check_coverage(layouts, self._ctx.layout)
         pending.stats.plan_s += time.monotonic() - start
 
     # -- pull -------------------------------------------------------------------------------------
     def _run_pull(self, pending: _Pending) -> None:
-        plane, transfers = self._plane, self._transfers
+        ctx, transfers = self._ctx, self._transfers
         params, rid = pending.params, pending.params.request_id
         parts = list(pending.parts.values())
         pending.stats.queued_s = time.monotonic() - pending.started
         try:
             self._handshake_all(pending)
             # Ask P (a round trip, or a wait until it published) while planning the read.
-            asked = [plane._asker.submit(self._timed_claim, part) for part in parts]
+            asked = [ctx.asks.submit(self._timed_claim, part) for part in parts]
             try:
                 for part in parts:
                     assert part.remote is not None
-                    part.plan = transfers.plan(part.remote.layout, plane.layout,
+                    part.plan = transfers.plan(part.remote.layout, ctx.layout,
                                                params.block_ids, pending.block_ids,
                                                pending.stats)  # fmt: skip
             finally:
@@ -265,7 +260,7 @@ class Loads:
             moving = [(part.remote.engine_id, part.plan, part) for part in parts
                       if part.plan is not None and part.remote is not None]  # fmt: skip
             transfers.move(TransferOp.READ, moving, pending.stats)
-            if plane.verify is not Verify.OFF:
+            if ctx.verify is not Verify.OFF:
                 for part in parts:
                     if part.plan is not None:
                         self._check_pull(part, part.plan)
@@ -282,7 +277,7 @@ class Loads:
                 self._finish_pending(rid, False, reason)
             for part in parts:  # P's blocks are only read: P may free them either way
                 release = Release(rid, False, str(err)[:4000], **self._me)
-                plane._executor.submit(self._tell, part.address, release)
+                ctx.requests.submit(self._tell, part.address, release)
             return
         # The bytes are in and fenced: the load is done now; P's releases are off D's path (one
         # that does not arrive is freed by P's lease).
@@ -300,40 +295,41 @@ class Loads:
         A serving engine may hand the transfer parameters to D before its worker has published
         the request (vLLM publishes one engine step after the request finished on P).
         """
-        params, timeout = part.params, self._plane.timeout
+        params, deadlines = part.params, self._ctx.deadlines
         client = self._peers.client(part.address.endpoint)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + deadlines.publish_wait
         delay = 0.005
         while True:
             try:
                 client.request(PullStart(params.request_id, params.block_ids, **self._me),
-                               timeout)  # fmt: skip
+                               deadlines.call)  # fmt: skip
                 return
             except ControlError as err:
                 if err.code != "unknown_request" or part.aborted:
                     raise
                 if time.monotonic() + delay > deadline:
-                    raise ControlError(err.code, f"{err} (waited {timeout:g} s)") from None
+                    waited = f"{err} (waited {deadlines.publish_wait:g} s)"
+                    raise ControlError(err.code, waited) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
 
     def _check_pull(self, part: _Part, plan: TransferPlan) -> None:
         """Compare P's digest of what it holds with D's of what it read (P still holds it)."""
-        plane, pending = self._plane, part.pending
+        ctx, pending = self._ctx, part.pending
         start = time.monotonic()
         rid = pending.params.request_id
-        ask = DigestRequest(rid, pending.block_ids, plane.verify.value, **self._me)
+        ask = DigestRequest(rid, pending.block_ids, ctx.verify.value, **self._me)
         # P digests its side while D digests its own.
-        asked = plane._fencer.submit(self._peers.client(part.address.endpoint).request, ask,
-                                     plane.timeout)  # fmt: skip
-        mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
+        asked = ctx.peer_waits.submit(self._peers.client(part.address.endpoint).request, ask,
+                                     ctx.deadlines.call)  # fmt: skip
+        mine = plan_digest(plan, "dst", ctx.verify, rid)
         reply = asked.result()
         pending.stats.verify_s += time.monotonic() - start
         theirs = reply.value if isinstance(reply, Digest) else None
         if theirs != mine:
             pending.stats.verify_failed = True
             raise IntegrityError(
-                f"integrity check ({plane.verify.value}) failed: prefill's digest {theirs} of "
+                f"integrity check ({ctx.verify.value}) failed: prefill's digest {theirs} of "
                 f"the bytes it holds differs from decode's {mine} of what it read"
             )
 
@@ -347,24 +343,24 @@ class Loads:
                 raise KvbridgeError("aborted by decode")
         except Exception as err:  # nothing was asked: no P rank writes anything for it
             for part in pending.parts.values():
-                self._plane._executor.submit(
+                self._ctx.requests.submit(
                     self._tell, part.address, Abort(rid, pending.abort_reason or str(err)[:4000],
                                                     **self._me))  # fmt: skip
                 part.asked.set()
             self._finish_pending(rid, False, f"push request of {rid!r} failed: {err}")
             return
-        asks = [self._plane._asker.submit(self._ask_push, part) for part in pending.parts.values()]
+        asks = [self._ctx.asks.submit(self._ask_push, part) for part in pending.parts.values()]
         wait(asks)
         log.debug("request %s: push requested from %d prefill rank(s)", params.request_id,
                   len(asks))  # fmt: skip
         # The outcome arrives as PushDone from each rank, or is settled with P past the deadline.
 
     def _ask_push(self, part: _Part) -> None:
-        plane, rid = self._plane, part.params.request_id
-        ask = PushRequest(rid, part.pending.block_ids, plane.verify.value, **self._me)
+        ctx, rid = self._ctx, part.params.request_id
+        ask = PushRequest(rid, part.pending.block_ids, ctx.verify.value, **self._me)
         try:
             with timed(part.pending.stats, "ask_s"):
-                self._peers.client(part.address.endpoint).request(ask, plane.timeout)
+                self._peers.client(part.address.endpoint).request(ask, ctx.deadlines.call)
         except PeerTimeoutError:
             pass  # the request may have reached P: settled with P at the deadline
         except Exception as err:  # refused, P gone, or never sent: P writes nothing for it
@@ -390,40 +386,34 @@ class Loads:
 
     def _reported(self, part: _Part, body: PushDone) -> None:
         """A P rank's word on its push (its ``PushDone``, or its answer to ``PushQuery``)."""
-        plane, pending = self._plane, part.pending
+        ctx, pending = self._ctx, part.pending
         with self._lock:
             if part.reported or part.ended:
                 return
             part.reported = True
-            stats = pending.stats
-            stats.nbytes += body.nbytes
-            stats.descriptors += body.descriptors
-            stats.descriptors_before_merge += body.descriptors_before_merge
-            stats.plan_s = max(stats.plan_s, body.plan_s)
-            stats.transfer_s = max(stats.transfer_s, body.transfer_s)
-            stats.unproven = stats.unproven or body.unproven
+            pending.stats.add_pushed(body.figures)
             if body.unproven:  # nothing proves P's engine stopped writing here
                 part.settling = True
         if body.unproven:
             self._hold_for_good(pending, f"push of {pending.params.request_id!r}: {body.reason}")
-        elif body.ok and plane.verify is not Verify.OFF:
-            plane._executor.submit(self._check_push, part, body)
+        elif body.ok and ctx.verify is not Verify.OFF:
+            ctx.requests.submit(self._check_push, part, body)
         else:
             self._end_part(part, body.ok, body.reason)
 
     def _check_push(self, part: _Part, body: PushDone) -> None:
         """Compare P's digest of what it wrote with D's of what it holds now."""
-        plane, pending = self._plane, part.pending
+        ctx, pending = self._ctx, part.pending
         start = time.monotonic()
         rid = pending.params.request_id
         try:
             if part.remote is None:
                 raise KvbridgeError("no handshake with prefill to plan the check with")
-            plan = plan_tp_pair(part.remote.layout, plane.layout, pending.params.block_ids,
+            plan = plan_tp_pair(part.remote.layout, ctx.layout, pending.params.block_ids,
                                 pending.block_ids)  # fmt: skip
             mine = None
             if plan is not None:
-                mine = digest(plan.dst, plan.lengths, chosen(plan.count, plane.verify, rid))
+                mine = plan_digest(plan, "dst", ctx.verify, rid)
         except Exception as err:
             self._end_part(part, False, f"integrity check could not run: {err}")
             return
@@ -432,7 +422,7 @@ class Loads:
             pending.stats.verify_failed = True
             self._end_part(
                 part, False,
-                f"integrity check ({plane.verify.value}) failed: prefill's digest {body.digest} "
+                f"integrity check ({ctx.verify.value}) failed: prefill's digest {body.digest} "
                 f"of what it wrote differs from decode's {mine} of what it holds",
             )  # fmt: skip
             return
@@ -445,7 +435,7 @@ class Loads:
         with self._lock:
             if part.ended:
                 return
-            part.ended, part.ok, part.reason = True, ok, reason
+            part.end(ok, reason)
             parts = list(pending.parts.values())
             over = all(p.ended for p in parts)
         if not over:
@@ -465,7 +455,7 @@ class Loads:
             if parts:
                 self._hold(pending)
         for part in parts:
-            self._plane._fencer.submit(self._settle_push, part, reason)
+            self._ctx.peer_waits.submit(self._settle_push, part, reason)
 
     def _settle_push(self, part: _Part, reason: str) -> None:
         """D gave up waiting for a push (deadline or abort): end it only once P's write is fenced.
@@ -473,22 +463,22 @@ class Loads:
         Aborts the push, then asks P how it ended until P answers: ``PushDone`` (P fenced its
         write, or it had succeeded), or "unknown" (P holds no write of it).
         """
-        plane, rid = self._plane, part.params.request_id
-        part.asked.wait(plane.handshake_timeout + 2 * plane.timeout)
+        ctx, rid = self._ctx, part.params.request_id
+        part.asked.wait(ctx.deadlines.load)
         aborted = False
 
         def query(client: PeerClient) -> PushDone | ControlError | None:
             nonlocal aborted
             try:
                 if not aborted:
-                    client.request(Abort(rid, reason[:4000], **self._me), plane.timeout)
+                    client.request(Abort(rid, reason[:4000], **self._me), ctx.deadlines.call)
                     aborted = True
-                reply = client.request(PushQuery(rid, **self._me), plane.timeout)
+                reply = client.request(PushQuery(rid, **self._me), ctx.deadlines.call)
             except ControlError as err:
                 if err.code == "unknown_request":
                     return err
                 log.warning("request %s: prefill refused to say how its push ended: %s", rid, err)
-                time.sleep(min(1.0, plane.timeout))
+                time.sleep(ctx.deadlines.retry_pause)
                 return None
             if isinstance(reply, PushDone):
                 return reply
@@ -517,7 +507,7 @@ class Loads:
         rid = part.params.request_id
         client = self._peers.client(part.address.endpoint)
         start = time.monotonic()
-        while not self._plane._closed and rid in self._pending:
+        while not self._ctx.closed and rid in self._pending:
             try:
                 answer = ask(client)
             except PeerRefusedError as err:
@@ -525,7 +515,7 @@ class Loads:
             except Exception as err:
                 log.warning("request %s: blocks held until %s (%.0f s so far): %s",
                             rid, waiting, time.monotonic() - start, err)  # fmt: skip
-                time.sleep(min(1.0, self._plane.timeout))
+                time.sleep(self._ctx.deadlines.retry_pause)
                 continue
             if answer is not None:
                 return answer
@@ -550,13 +540,13 @@ class Loads:
         log.warning(
             "request %s: its blocks stay held for good: the %s transport cannot prove that no "
             "byte of the failed transfer still lands in them (%s)",
-            pending.params.request_id, self._plane.transport.name, reason,
+            pending.params.request_id, self._ctx.transport.name, reason,
         )  # fmt: skip
 
     def _tell(self, address: RankAddress, body: Release | Abort) -> None:
         """Send a P rank a release or abort; one that does not arrive is freed by P's lease."""
         try:
-            self._peers.client(address.endpoint).request(body, self._plane.timeout)
+            self._peers.client(address.endpoint).request(body, self._ctx.deadlines.call)
         except Exception as err:
             log.info("request %s: %s not delivered to %s (%s); P's lease frees it",
                      body.request_id, type(body).__name__.lower(), address.endpoint,
@@ -565,7 +555,7 @@ class Loads:
     def _finish_pending(
         self, request_id: str, ok: bool, reason: str, *, closing: bool = False
     ) -> None:
-        plane = self._plane
+        ctx = self._ctx
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is None or (pending.unproven and not closing):
@@ -583,10 +573,10 @@ class Loads:
             if ok:
                 outcome.transposes = [
                     t for part in pending.parts.values() if part.remote is not None
-                    for t in received_transposes(part.remote.layout, plane.layout,
+                    for t in received_transposes(part.remote.layout, ctx.layout,
                                                  pending.params.block_ids, pending.block_ids)
                 ]  # fmt: skip
-            plane._record(outcome)
+            ctx.record(outcome)
         log.debug("request %s: %s %s %s", request_id, "done" if ok else "failed", reason,
                   pending.stats)  # fmt: skip
         self._transfers.report_slow("load", request_id, pending.stats)

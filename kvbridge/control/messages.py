@@ -14,7 +14,8 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
-PROTOCOL_VERSION = 1
+#: 2: ``PushDone`` carries its figures as one ``TransferFigures`` (1: six fields of its own)
+PROTOCOL_VERSION = 2
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -109,6 +110,20 @@ class PushRequest(FromDecodeRank, tag="push_request"):
     verify: Annotated[str, msgspec.Meta(max_length=16)] = "off"
 
 
+class TransferFigures(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a transfer moved and how long its steps took: P's push tells D its own
+    (``PushDone``), which D counts into the load's ``RequestStats`` (``add_pushed``; the
+    fields are those of ``RequestStats``, which ``RequestStats.figures`` copies out)."""
+
+    nbytes: int = 0
+    descriptors: int = 0
+    descriptors_before_merge: int = 0
+    plan_s: float = 0.0
+    transfer_s: float = 0.0
+    #: no fence proves the transfer's bytes stopped (``Fence.UNPROVEN``)
+    unproven: bool = False
+
+
 class PushDone(Message, tag="push_done"):
     """P -> D (push): the request's bytes are written (``ok``) or will never be.
 
@@ -120,14 +135,14 @@ class PushDone(Message, tag="push_done"):
     request_id: RequestId
     ok: bool
     reason: Reason = ""
-    nbytes: int = 0
-    descriptors: int = 0
-    descriptors_before_merge: int = 0
-    plan_s: float = 0.0
-    transfer_s: float = 0.0
-    unproven: bool = False
+    #: what P's write moved and how long it took (a failed one: only ``unproven``)
+    figures: TransferFigures = msgspec.field(default_factory=TransferFigures)
     #: digest of the bytes written, when the push request asked for a check
     digest: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    @property
+    def unproven(self) -> bool:
+        return self.figures.unproven
 
 
 class PushQuery(FromDecodeRank, tag="push_query"):

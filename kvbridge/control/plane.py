@@ -18,7 +18,9 @@ failed transfer's bytes stopped (``Fence.UNPROVEN``), the blocks stay held for g
 ``ControlPlane`` owns what the engine's roles share (endpoint, transport registration, worker
 pools, lock, outcomes, housekeeping) and composes them: ``leases.Leases`` (the prefill side),
 ``loads.Loads`` (the decode side) and ``handshakes.Handshakes`` (peers and their clients), with
-``transfers.Transfers`` for the transfer steps both sides take.
+``transfers.Transfers`` for the transfer steps both sides take. The roles get what they share
+as one ``context.PlaneContext`` (never the plane itself), and every time bound from its
+``deadlines.Deadlines``.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from kvbridge.control.channel import Endpoint
+from kvbridge.control.context import PlaneContext
+from kvbridge.control.deadlines import Deadlines
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.leases import Leases
 from kvbridge.control.loads import Loads
@@ -75,9 +80,10 @@ class ControlPlane:
 
     The layout's memory is registered with the transport here and released by ``close``.
     ``timeout`` bounds every side-channel call; transfers are bounded by the transport's own
-    ``timeout`` (give both the same value: the adapters do). ``lease`` is how long P keeps a
+    ``timeout``, which is the default (pass it only to differ). ``lease`` is how long P keeps a
     published request's blocks when D never releases them (extended while D reads them);
-    ``handshake_timeout`` bounds the retries of a handshake. ``verify`` (D: ``off``,
+    ``handshake_timeout`` bounds the retries of a handshake. Every bound the plane keeps is
+    derived from these three once, in ``deadlines`` (``Deadlines``). ``verify`` (D: ``off``,
     ``sample``, ``full``) compares digests of what P sent and D received after each load; a
     mismatch fails the load (``RequestStats.verify_failed``).
     """
@@ -91,52 +97,85 @@ class ControlPlane:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: bytes | str | None = None,
-        timeout: float = 10.0,
+        timeout: float | None = None,
         lease: float = 30.0,
         handshake_timeout: float = 10.0,
         workers: int = 4,
         verify: Verify | str = Verify.OFF,
     ) -> None:
-        for name, value in (("timeout", timeout), ("lease", lease),
-                            ("handshake_timeout", handshake_timeout)):  # fmt: skip
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        if lease < 2 * timeout:
-            raise ValueError(
-                f"lease ({lease:g} s) must be at least twice the timeout ({timeout:g} s): P "
-                "must not free blocks that D may still be reading; raise lease"
-            )
+        # Every time bound of the plane, derived once (the roles read it, never re-derive).
+        deadlines = Deadlines(
+            transport.timeout if timeout is None else timeout, lease, handshake_timeout
+        )
         self.engine_id = engine_id or default_engine_id()
         self.layout = layout
         self.transport = transport
-        self.timeout = timeout
-        self.lease = lease
-        self.handshake_timeout = handshake_timeout
-        self.verify = Verify(verify)
-        #: a request taking this long logs where its time went (a quarter of the timeout)
-        self.slow_after = timeout / 4
         secret = secret.encode() if isinstance(secret, str) else secret
-        # One lock for the plane and its roles: a step may read a lease and a peer together.
-        self._lock = threading.RLock()
-        self._finished_cond = threading.Condition(self._lock)
+        lock = threading.RLock()
+        self._lock = lock
+        self._finished_cond = threading.Condition(lock)
         self._finished: dict[str, RequestOutcome] = {}
-        self._closed = False
         transport.register(layout.registration)
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request")
-        # Fences and settling may wait long on a frozen peer: they never take a request worker.
-        self._fencer = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence")
-        # D asks P to start a pull while it plans the read (the two need nothing of each other).
-        self._asker = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask")
-        # P's digests for D's checks: memory-bound, off the endpoint thread.
-        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest")
-        self._peers = Handshakes(self, secret)
-        transfers = Transfers(self)
-        self._prefill = Leases(self, self._peers, transfers)
-        self._decode = Loads(self, self._peers, transfers)
+        #: what the roles share, handed to them instead of the plane (``PlaneContext``)
+        self._ctx = ctx = PlaneContext(
+            self.engine_id, layout, transport, lock,
+            # looked up at each outcome: a test may wrap the class's ``_record``
+            record=lambda outcome: self._record(outcome),
+            deadlines=deadlines, verify=Verify(verify),
+            requests=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request"),
+            peer_waits=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence"),
+            asks=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask"),
+            digests=ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest"),
+        )  # fmt: skip
+        self._peers = Handshakes(ctx, secret)
+        transfers = Transfers(ctx)
+        self._prefill = Leases(ctx, self._peers, transfers)
+        self._decode = Loads(ctx, self._peers, transfers)
         self._endpoint = Endpoint(
             self.engine_id, self._handle, host=host, port=port, secret=secret,
             on_tick=self._tick,
         )  # fmt: skip
+        ctx.endpoint = self._endpoint.address
+
+    # -- settings: the roles read them from the context; a change derives every bound again -----
+    @property
+    def deadlines(self) -> Deadlines:
+        """Every time bound of the plane, derived from ``timeout``, ``lease`` and
+        ``handshake_timeout``."""
+        return self._ctx.deadlines
+
+    @deadlines.setter
+    def deadlines(self, value: Deadlines) -> None:
+        self._ctx.deadlines = value
+
+    @property
+    def verify(self) -> Verify:
+        """D: the integrity check after each load (``off``, ``sample``, ``full``)."""
+        return self._ctx.verify
+
+    @verify.setter
+    def verify(self, value: Verify | str) -> None:
+        self._ctx.verify = Verify(value)
+
+    @property
+    def timeout(self) -> float:
+        return self.deadlines.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self.deadlines = replace(self.deadlines, timeout=value)
+
+    @property
+    def lease(self) -> float:
+        return self.deadlines.lease
+
+    @property
+    def handshake_timeout(self) -> float:
+        return self.deadlines.handshake_timeout
+
+    @handshake_timeout.setter
+    def handshake_timeout(self, value: float) -> None:
+        self.deadlines = replace(self.deadlines, handshake_timeout=value)
 
     @property
     def endpoint(self) -> str:
@@ -211,7 +250,7 @@ class ControlPlane:
     @property
     def closed(self) -> bool:
         """Whether ``close`` was called."""
-        return self._closed
+        return self._ctx.closed
 
     def connect_early(
         self, endpoints: Sequence[str], patience: float = 300.0
@@ -230,17 +269,18 @@ class ControlPlane:
 
     def close(self) -> None:
         """Stop serving, fail what is pending, free every lease and registration."""
+        ctx = self._ctx
         with self._lock:
-            if self._closed:
+            if ctx.closed:
                 return
-            self._closed = True
+            ctx.closing.set()
         self._decode.close()
         self._prefill.close()
         self._endpoint.close()
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._asker.shutdown(wait=True, cancel_futures=True)  # after the pulls that wait on it
-        self._fencer.shutdown(wait=True, cancel_futures=True)
-        self._hasher.shutdown(wait=True, cancel_futures=True)
+        ctx.requests.shutdown(wait=True, cancel_futures=True)
+        ctx.asks.shutdown(wait=True, cancel_futures=True)  # after the pulls that wait on it
+        ctx.peer_waits.shutdown(wait=True, cancel_futures=True)
+        ctx.digests.shutdown(wait=True, cancel_futures=True)
         self._peers.close()
         self.transport.deregister(self.layout.registration)
 
@@ -257,31 +297,50 @@ class ControlPlane:
         self._finished_cond.notify_all()
 
     def _handle(self, peer: str, body: Message) -> Message | Future[Message]:
-        """Answer a peer's request (in the endpoint's thread)."""
-        if isinstance(body, Handshake):
-            return self._peers.answer(body)
-        if isinstance(body, PullStart):
-            return self._prefill.on_pull_start(peer, body)
-        if isinstance(body, Release):
-            return self._prefill.on_release(peer, body)
-        if isinstance(body, Abort):
-            self._prefill.on_abort(body)
-            return Ok()
-        if isinstance(body, PushRequest):
-            return self._prefill.on_push_request(peer, body)
-        if isinstance(body, PushDone):
-            self._decode.on_push_done(body, peer)
-            return Ok()
-        if isinstance(body, PushQuery):
-            return self._prefill.on_push_query(body)
-        if isinstance(body, Ping):
-            return Ok()
-        if isinstance(body, DigestRequest):
-            return self._prefill.on_digest_request(peer, body)
-        raise MessageError("unexpected", f"{type(body).__name__} is not a request")
+        """Answer a peer's request (in the endpoint's thread), as ``_PROTOCOL`` says."""
+        answer = _PROTOCOL.get(type(body))
+        if answer is None:
+            raise MessageError("unexpected", f"{type(body).__name__} is not a request")
+        return answer(self, peer, body)
 
     def _tick(self) -> None:
         """Housekeeping, in the endpoint's thread: expired leases, late pushes, old memories."""
         now = time.monotonic()
         self._prefill.expire(now)
         self._decode.expire(now)
+
+
+#: How this engine answers a request from the peer engine ``peer``: a reply, or a future of one
+#: (the endpoint answers other requests meanwhile). A ``MessageError`` it raises is the reply.
+_Answer = Callable[[ControlPlane, str, Any], "Message | Future[Message]"]
+
+
+def _acked(answer: Callable[[ControlPlane, str, Any], None]) -> _Answer:
+    """An answer that is only ``Ok`` once the role took the message."""
+
+    def acked(plane: ControlPlane, peer: str, body: Any) -> Message:
+        answer(plane, peer, body)
+        return Ok()
+
+    return acked
+
+
+#: The side-channel protocol, every request a peer may send and who answers it (the roles are
+#: looked up at each call: a test may replace one's method on the instance). Any other message
+#: is refused (``unexpected``); replies (``Ok``, ``Digest``, ``ErrorReply``) and the
+#: authentication messages never come here.
+_PROTOCOL: dict[type[Message], _Answer] = {
+    # either side: a peer's layout and transport; answered with ours
+    Handshake: lambda plane, peer, body: plane._peers.answer(body),
+    # to P, from a D rank: pull (claim, then release), push (ask, then ask how it ended)
+    PullStart: lambda plane, peer, body: plane._prefill.on_pull_start(peer, body),
+    Release: lambda plane, peer, body: plane._prefill.on_release(peer, body),
+    PushRequest: lambda plane, peer, body: plane._prefill.on_push_request(peer, body),
+    PushQuery: lambda plane, peer, body: plane._prefill.on_push_query(body),
+    DigestRequest: lambda plane, peer, body: plane._prefill.on_digest_request(peer, body),
+    Abort: _acked(lambda plane, peer, body: plane._prefill.on_abort(body)),
+    # to D, from a P rank: how its push ended
+    PushDone: _acked(lambda plane, peer, body: plane._decode.on_push_done(body, peer)),
+    # any side: is the peer alive and serving
+    Ping: lambda plane, peer, body: Ok(),
+}

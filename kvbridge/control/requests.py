@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from kvbridge.control.messages import BlockIds
+from kvbridge.control.messages import BlockIds, TransferFigures
 from kvbridge.core.block_mapping import CheckedBlockIds, check_group_ids
 from kvbridge.core.errors import KvbridgeError, MessageError
 from kvbridge.core.layout import Layout
@@ -118,6 +118,24 @@ class RequestStats:
     verify_failed: bool = False
     #: P: the lease ran out before D released the blocks (P freed them unclaimed)
     lease_expired: bool = False
+
+    def figures(self) -> TransferFigures:
+        """What this side's transfer moved and took, as P tells D (``PushDone``)."""
+        return TransferFigures(
+            nbytes=self.nbytes, descriptors=self.descriptors,
+            descriptors_before_merge=self.descriptors_before_merge, plan_s=self.plan_s,
+            transfer_s=self.transfer_s, unproven=self.unproven,
+        )  # fmt: skip
+
+    def add_pushed(self, figures: TransferFigures) -> None:
+        """Count one P rank's push into this load (D, from several P ranks): what they moved
+        adds up; they planned and wrote at once (the longest counts); unproven if one was."""
+        self.nbytes += figures.nbytes
+        self.descriptors += figures.descriptors
+        self.descriptors_before_merge += figures.descriptors_before_merge
+        self.plan_s = max(self.plan_s, figures.plan_s)
+        self.transfer_s = max(self.transfer_s, figures.transfer_s)
+        self.unproven = self.unproven or figures.unproven
 
 
 @dataclass

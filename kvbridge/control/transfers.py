@@ -9,41 +9,72 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Literal
 
+from kvbridge.control.context import PlaneContext
 from kvbridge.control.messages import BlockIds
 from kvbridge.control.requests import RequestStats, TransferParams
 from kvbridge.core.errors import KvbridgeError
+from kvbridge.core.integrity import Verify, chosen, digest
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
-if TYPE_CHECKING:
-    from kvbridge.control.plane import ControlPlane
-
 log = logging.getLogger("kvbridge.control")
 
 
-class Holder(Protocol):
-    """A transfer an abort may stop: one D rank's part of P's lease (push) or of D's load (pull)."""
+@dataclass(kw_only=True)
+class RankPart:
+    """One pair of TP ranks' share of a request, as this side holds it: on P, a D rank's part
+    of P's lease (``leases._Reader``: its claim, or P's write to it); on D, a P rank's part of
+    D's load (``loads._Part``: D's read from it, or its write). What each side keeps beyond
+    this is its own; the transfer steps here take either.
 
-    #: the transfer in flight, for the abort to release and the failure to fence
-    handle: TransferHandle | None
+    ``rank`` is the other side's TP rank. The part is over once ``ended`` (``end``): nothing of
+    its transfer can still move, and ``ok``/``reason`` say how it ended.
+    """
+
+    rank: int
+    #: the transfer in flight, for an abort to release and a failure to fence
+    handle: TransferHandle | None = None
+    ended: bool = False
+    ok: bool = False
+    reason: str = ""
 
     @property
-    def params(self) -> TransferParams: ...
+    def params(self) -> TransferParams:
+        """The request this is a part of."""
+        raise NotImplementedError
 
     @property
-    def aborted(self) -> bool: ...
+    def aborted(self) -> bool:
+        """Whether the request was aborted (a transfer not started yet never starts)."""
+        raise NotImplementedError
+
+    def end(self, ok: bool, reason: str) -> None:
+        """The part is over; lock held."""
+        self.ended, self.ok, self.reason = True, ok, reason
+
+
+def plan_digest(
+    plan: TransferPlan, side: Literal["src", "dst"], check: Verify, request_id: str
+) -> int:
+    """The integrity digest of one side's bytes of ``plan``: ``src`` on P (what it holds or
+    wrote), ``dst`` on D (what it read or holds now). Both sides choose the same descriptors
+    for one request and ``check`` (``kvbridge.core.integrity.chosen``), so equal bytes give
+    equal digests."""
+    addrs = plan.src if side == "src" else plan.dst
+    return digest(addrs, plan.lengths, chosen(plan.count, check, request_id))
 
 
 class Transfers:
     """The transfer steps both sides share, on the plane's transport and under its lock."""
 
-    def __init__(self, plane: ControlPlane) -> None:
-        self._plane = plane
-        self._lock = plane._lock
+    def __init__(self, ctx: PlaneContext) -> None:
+        self._ctx = ctx
+        self._lock = ctx.lock
 
     @staticmethod
     def plan(
@@ -61,33 +92,33 @@ class Transfers:
         return plan
 
     def move(
-        self, op: TransferOp, parts: Sequence[tuple[str, TransferPlan, Holder]],
+        self, op: TransferOp, parts: Sequence[tuple[str, TransferPlan, RankPart]],
         stats: RequestStats,
     ) -> None:  # fmt: skip
-        """Submit each part's plan to its peer, then wait for them all; each ``holder.handle``
+        """Submit each part's plan to its peer, then wait for them all; each ``part.handle``
         keeps its batch for abort and fence (on failure the caller fences every one set).
 
         An abort that came before a submission stops it; one that comes during it finds the
         handle and releases it (the wait then fails, and the caller fences).
         """
-        transport = self._plane.transport
+        transport = self._ctx.transport
         start = time.monotonic()
-        for peer, plan, holder in parts:
+        for peer, plan, part in parts:
             with self._lock:
-                if holder.aborted:
+                if part.aborted:
                     raise KvbridgeError("aborted by decode before the transfer started")
             local, remote, lengths = plan.local_remote(op)
             handle = transport.submit(op, peer, local, remote, lengths)
             log.debug("request %s: %s of %d descriptors submitted to %s",
-                      holder.params.request_id, op.value, len(lengths), peer)  # fmt: skip
+                      part.params.request_id, op.value, len(lengths), peer)  # fmt: skip
             with self._lock:
-                holder.handle = handle
-                aborted = holder.aborted
+                part.handle = handle
+                aborted = part.aborted
             if aborted:
                 transport.release(handle)
-        for _, _, holder in parts:
-            assert holder.handle is not None
-            transport.wait(holder.handle)
+        for _, _, part in parts:
+            assert part.handle is not None
+            transport.wait(part.handle)
         stats.transfer_s = time.monotonic() - start
 
     def fence(self, handle: TransferHandle, rid: str, stats: RequestStats) -> Fence:
@@ -96,16 +127,16 @@ class Transfers:
         ``PENDING`` only when the plane is closing; ``UNPROVEN`` when nothing proves the bytes
         stopped (the caller holds the memory for good).
         """
-        plane = self._plane
+        ctx = self._ctx
         start = time.monotonic()
         while True:
-            fence = plane.transport.fence(handle, plane.timeout)
-            if fence is not Fence.PENDING or plane._closed:
+            fence = ctx.transport.fence(handle, ctx.deadlines.fence_round)
+            if fence is not Fence.PENDING or ctx.closed:
                 break
             log.warning(
                 "request %s: the %s engine still holds part of a given-up transfer after %.0f s; "
                 "its blocks stay out of use until it gives it back",
-                rid, plane.transport.name, time.monotonic() - start,
+                rid, ctx.transport.name, time.monotonic() - start,
             )  # fmt: skip
         stats.fence_s = time.monotonic() - start
         stats.unproven = fence is not Fence.DRAINED
@@ -115,7 +146,7 @@ class Transfers:
         """One warning with the breakdown for a request that took a large part of its timeout,
         so that a slow load says where its time went (this side's queue, the handshake, the
         peer's answer, the engine's transfer, a fence)."""
-        if stats.total_s < self._plane.slow_after:
+        if stats.total_s < self._ctx.deadlines.slow_after:
             return
         parts = ("queued_s", "handshake_s", "ask_s", "plan_s", "transfer_s", "fence_s",
                  "verify_s")  # fmt: skip
