@@ -33,15 +33,28 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         for pattern, style in PATTERN_STYLE.items():
-            cells = sorted((r for r in panels[key] if r["pattern"] == pattern),
-                           key=lambda r: r["tokens"])  # fmt: skip
+            cells = sorted(
+                (r for r in panels[key] if r["pattern"] == pattern), key=lambda r: r["tokens"]
+            )
             if not cells:
                 continue
             tokens = [r["tokens"] for r in cells]
-            ax.plot(tokens, [r["kvbridge_ms_model"] for r in cells], style, color="tab:blue",
-                    marker="o", label=f"kvbridge {pattern}")  # fmt: skip
-            ax.plot(tokens, [r["vllm_ms_model"] for r in cells], style, color="tab:red",
-                    marker="s", label=f"vLLM {pattern}")  # fmt: skip
+            ax.plot(
+                tokens,
+                [r["kvbridge_ms_model"] for r in cells],
+                style,
+                color="tab:blue",
+                marker="o",
+                label=f"kvbridge {pattern}",
+            )
+            ax.plot(
+                tokens,
+                [r["vllm_ms_model"] for r in cells],
+                style,
+                color="tab:red",
+                marker="s",
+                label=f"vLLM {pattern}",
+            )
         ax.set(xscale="log", yscale="log", title=f"{key[0]} {key[1]}", xlabel="prompt tokens")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("planning ms per request")

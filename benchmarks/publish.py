@@ -104,9 +104,13 @@ def transfer_chart(doc: dict[str, Any], path: Path) -> None:
                 low.append(mid - q1)
                 high.append(q3 - mid)
             ax.bar(
-                x + (i - (len(modes) - 1) / 2) * width, values, width, yerr=[low, high],
-                capsize=2, label=labels[mode],
-            )  # fmt: skip
+                x + (i - (len(modes) - 1) / 2) * width,
+                values,
+                width,
+                yerr=[low, high],
+                capsize=2,
+                label=labels[mode],
+            )
         ax.set_xticks(x, [r["case"] for r in mine], rotation=15, fontsize=8)
         ax.set_title(f"{transport} (two processes, 127.0.0.1)")
         ax.grid(True, axis="y", alpha=0.3)

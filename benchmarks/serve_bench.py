@@ -73,28 +73,58 @@ def start(connector: str, model: Path, work: Path) -> tuple[list[Server], str]:
             ("prefill", "prefill.sh", "0", http_p, side_p),
             ("decode", "decode.sh", "1", http_d, side_d),
         ):
-            env = _env(core, **deploy, KVBRIDGE_HOST="127.0.0.1", HTTP_HOST="127.0.0.1",
-                       HTTP_PORT=str(http), KVBRIDGE_PORT=str(side))  # fmt: skip
+            env = _env(
+                core,
+                **deploy,
+                KVBRIDGE_HOST="127.0.0.1",
+                HTTP_HOST="127.0.0.1",
+                HTTP_PORT=str(http),
+                KVBRIDGE_PORT=str(side),
+            )
             argv = ["bash", str(DEPLOY / script), *args]
             servers.append(Server(name, argv, work / f"{connector}-{name}.log", env))
     else:
-        config = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                             "kv_buffer_device": "cpu"})  # fmt: skip
-        for name, core, http, side in (("prefill", "0", http_p, side_p),
-                                       ("decode", "1", http_d, side_d)):  # fmt: skip
-            env = _env(core, VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-                       VLLM_NIXL_SIDE_CHANNEL_PORT=str(side))  # fmt: skip
-            argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                    str(model), "--host", "127.0.0.1", "--port", str(http),
-                    "--kv-transfer-config", config, *args]  # fmt: skip
+        config = json.dumps(
+            {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        )
+        for name, core, http, side in (
+            ("prefill", "0", http_p, side_p),
+            ("decode", "1", http_d, side_d),
+        ):
+            env = _env(
+                core, VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(side)
+            )
+            argv = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(http),
+                "--kv-transfer-config",
+                config,
+                *args,
+            ]
             servers.append(Server(name, argv, work / f"{connector}-{name}.log", env))
     router_env = _env(
-        None, PREFILL_URLS=f"http://127.0.0.1:{http_p}", DECODE_URLS=f"http://127.0.0.1:{http_d}",
-        ROUTER_HOST="127.0.0.1", ROUTER_PORT=str(http_r),
+        None,
+        PREFILL_URLS=f"http://127.0.0.1:{http_p}",
+        DECODE_URLS=f"http://127.0.0.1:{http_d}",
+        ROUTER_HOST="127.0.0.1",
+        ROUTER_PORT=str(http_r),
         VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
-    )  # fmt: skip
-    servers.append(Server("router", ["bash", str(DEPLOY / "router.sh")],
-                          work / f"{connector}-router.log", router_env))  # fmt: skip
+    )
+    servers.append(
+        Server(
+            "router",
+            ["bash", str(DEPLOY / "router.sh")],
+            work / f"{connector}-router.log",
+            router_env,
+        )
+    )
     deadline = time.perf_counter() + 300
     for port in (http_p, http_d):
         wait_healthy(servers, f"http://127.0.0.1:{port}/health", deadline)
@@ -104,20 +134,58 @@ def start(connector: str, model: Path, work: Path) -> tuple[list[Server], str]:
 def bench(url: str, model: Path, rate: float, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One ``vllm bench serve`` run at ``rate``: vLLM's result JSON (per-request lists dropped)."""
     argv = [
-        sys.executable, "-c", BENCH, "--backend", "vllm", "--base-url", url,
-        "--model", SERVED_NAME, "--tokenizer", str(model), "--dataset-name", "random",
-        "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-        "--num-prompts", str(a.num_prompts), "--request-rate", str(rate), "--ignore-eos",
-        "--seed", "0", "--percentile-metrics", "ttft,tpot,e2el",
-        "--metric-percentiles", PERCENTILES, "--save-result", "--result-dir", str(out.parent),
-        "--result-filename", out.name, "--disable-tqdm", "--ready-check-timeout-sec", "120",
-    ]  # fmt: skip
+        sys.executable,
+        "-c",
+        BENCH,
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(a.input_len),
+        "--random-output-len",
+        str(a.output_len),
+        "--num-prompts",
+        str(a.num_prompts),
+        "--request-rate",
+        str(rate),
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,e2el",
+        "--metric-percentiles",
+        PERCENTILES,
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "120",
+    ]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
     if run.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({run.returncode}):\n{run.stderr[-3000:]}")
     result = json.loads(out.read_text())
-    for key in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
-                "queue_times", "generated_texts", "errors"):  # fmt: skip
+    for key in (
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "latencies",
+        "start_times",
+        "queue_times",
+        "generated_texts",
+        "errors",
+    ):
         result.pop(key, None)
     return result
 
@@ -151,8 +219,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for connector in dict.fromkeys(r["connector"] for r in rows):
         mine = {r["rate"]: r["result"]["p99_ttft_ms"] for r in rows if r["connector"] == connector}
-        ax.plot(range(len(rates)), [mine.get(x, float("nan")) for x in rates], marker="o",
-                label=connector)  # fmt: skip
+        ax.plot(
+            range(len(rates)),
+            [mine.get(x, float("nan")) for x in rates],
+            marker="o",
+            label=connector,
+        )
     ax.set_xticks(range(len(rates)), ["max" if math.isinf(x) else f"{x:g}" for x in rates])
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("p99 TTFT (ms)")
@@ -181,8 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for rate in a.rates:
                     out = work / f"{connector}-{rate:g}.json"
-                    rows.append({"connector": connector, "rate": rate,
-                                 "result": bench(url, model, rate, a, out)})  # fmt: skip
+                    rows.append(
+                        {
+                            "connector": connector,
+                            "rate": rate,
+                            "result": bench(url, model, rate, a, out),
+                        }
+                    )
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
             except Exception:
                 for s in servers:

@@ -224,10 +224,13 @@ def layer_specs(shape: ModelShape, num_layers: int) -> dict[str, Any]:
     )
     interval = shape.full_attention_interval
     return {
-        (f"model.layers.{i}.self_attn.attn" if (i + 1) % interval == 0 else
-         f"model.layers.{i}.linear_attn"): (attn if (i + 1) % interval == 0 else gdn)
+        (
+            f"model.layers.{i}.self_attn.attn"
+            if (i + 1) % interval == 0
+            else f"model.layers.{i}.linear_attn"
+        ): (attn if (i + 1) % interval == 0 else gdn)
         for i in range(num_layers)
-    }  # fmt: skip
+    }
 
 
 @dataclass
@@ -360,10 +363,15 @@ def mooncake_worker(shape: ModelShape, caches: VllmCaches, engine_id: str) -> An
         for name in group.layer_names:
             worker._layer_specs[name] = per_layer.get(name, group.kv_cache_spec)
     worker.transfer_topo = TransferTopology(
-        tp_rank=0, tp_size=1, block_size=worker.block_size, engine_id=engine_id,
-        is_mla=worker.use_mla, is_mamba=config.has_mamba_layers,
-        total_num_kv_heads=1 if shape.mla_latent_dim else shape.num_kv_heads, attn_backends=[],
-    )  # fmt: skip
+        tp_rank=0,
+        tp_size=1,
+        block_size=worker.block_size,
+        engine_id=engine_id,
+        is_mla=worker.use_mla,
+        is_mamba=config.has_mamba_layers,
+        total_num_kv_heads=1 if shape.mla_latent_dim else shape.num_kv_heads,
+        attn_backends=[],
+    )
     worker.register_kv_caches(caches.views)
     return worker
 
@@ -376,17 +384,21 @@ def xfer_metadata(d_worker: Any, req_blocks: dict[str, tuple[str, list[list[int]
     )
 
     meta = MooncakeXferMetadata(
-        remote_hostname=d_worker.hostname, remote_port=d_worker.rpc_port,
-        remote_tp_size=d_worker.tp_size, remote_tp_rank=d_worker.tp_rank,
-        remote_pp_size=d_worker.pp_size, req_blocks=req_blocks,
+        remote_hostname=d_worker.hostname,
+        remote_port=d_worker.rpc_port,
+        remote_tp_size=d_worker.tp_size,
+        remote_tp_rank=d_worker.tp_rank,
+        remote_pp_size=d_worker.pp_size,
+        req_blocks=req_blocks,
         kv_caches_base_addr=d_worker.kv_caches_base_addr,
-        block_lens=d_worker.block_len_per_layer, kv_block_lens=d_worker.kv_block_len_per_layer,
+        block_lens=d_worker.block_len_per_layer,
+        kv_block_lens=d_worker.kv_block_len_per_layer,
         registered_layer_names=d_worker.registered_layer_names,
         registered_layer_indices=d_worker.registered_layer_indices,
         registered_group_indices=d_worker.registered_group_indices,
         registered_shared_group_ids=[list(g) for g in d_worker.region_shared_groups],
         registered_row_offsets=d_worker.region_row_offsets,
-    )  # fmt: skip
+    )
     wire = msgspec.msgpack.Encoder().encode(meta)
     return msgspec.msgpack.Decoder(MooncakeXferMetadata).decode(wire)
 
@@ -420,14 +432,17 @@ class VllmRequest:
         if err is not None:
             raise VllmRefused(f"vLLM Mooncake: {err}")
         err = _validate_asymmetric_region_lengths(
-            local_regions=local, remote_regions=remote, local_tp_size=worker.tp_size,
+            local_regions=local,
+            remote_regions=remote,
+            local_tp_size=worker.tp_size,
             remote_tp_size=self.meta.remote_tp_size,
             producer_cache_replicated=worker._producer_cache_is_replicated(),
             total_num_kv_heads=(
-                None if worker.use_mla or worker.kv_cache_config.has_mamba_layers
+                None
+                if worker.use_mla or worker.kv_cache_config.has_mamba_layers
                 else worker.transfer_topo.total_num_kv_heads
             ),
-        )  # fmt: skip
+        )
         if err is not None:
             raise VllmRefused(f"vLLM Mooncake: {err}")
         src, dst, lengths, err_reqs, err_msg = _run_coroutine(
@@ -493,14 +508,18 @@ def pool_blocks(shape: ModelShape, prompt_tokens: int) -> int:
 # --- comparing what both sides move --------------------------------------------------------------
 
 
-def merged_ranges(src: Sequence[int] | npt.NDArray[Any], dst: Sequence[int] | npt.NDArray[Any],
-                  lengths: Sequence[int] | npt.NDArray[Any]) -> Ranges:  # fmt: skip
+def merged_ranges(
+    src: Sequence[int] | npt.NDArray[Any],
+    dst: Sequence[int] | npt.NDArray[Any],
+    lengths: Sequence[int] | npt.NDArray[Any],
+) -> Ranges:
     """Descriptors sorted by source, those that continue one another on both sides merged
     (the planner's own ``merge_descriptors``, applied to vLLM's transfers too)."""
     merged = merge_descriptors(
-        np.asarray(src, dtype=np.uint64), np.asarray(dst, dtype=np.uint64),
+        np.asarray(src, dtype=np.uint64),
+        np.asarray(dst, dtype=np.uint64),
         np.asarray(lengths, dtype=np.uint64),
-    )  # fmt: skip
+    )
     s, d, n = (a.astype(np.int64) for a in merged)
     return s, d, n
 
@@ -655,8 +674,9 @@ def measure_pattern(
         prepare_ms = _once_ms(prepare_uncached)
         p, d = w.p_layout, w.d_layout
 
-        def plan_new_peer(p: Layout = p, d: Layout = d, p_ids: GroupBlockIds = p_ids,
-                          d_ids: GroupBlockIds = d_ids) -> object:  # fmt: skip
+        def plan_new_peer(
+            p: Layout = p, d: Layout = d, p_ids: GroupBlockIds = p_ids, d_ids: GroupBlockIds = d_ids
+        ) -> object:
             _forget_peers(p, d)
             return plan_transfers(p, d, p_ids, d_ids)
 
@@ -674,12 +694,17 @@ def measure_pattern(
     ms, fastest = _median_ms(fns, runs)
     return [
         Measured(
-            ms[f"kvbridge{i}"], ms[f"kvbridge_nocheck{i}"], ms[f"vllm{i}"], plan, vllm_out,
-            prepare_ms, {k: fastest[f"{k}{i}"] for k in ("kvbridge", "kvbridge_nocheck", "vllm")},
+            ms[f"kvbridge{i}"],
+            ms[f"kvbridge_nocheck{i}"],
+            ms[f"vllm{i}"],
+            plan,
+            vllm_out,
+            prepare_ms,
+            {k: fastest[f"{k}{i}"] for k in ("kvbridge", "kvbridge_nocheck", "vllm")},
             first_ms,
         )
         for i, (plan, vllm_out, prepare_ms, first_ms) in enumerate(results)
-    ]  # fmt: skip
+    ]
 
 
 def measure_layers(
@@ -791,8 +816,10 @@ def _fill(row: VllmPlanningRow, setup: LayerSetup, m: Measured, runs: int) -> No
     row.layers = setup.layers
     row.blocks = sum(g.blocks for g in m.plan.groups)
     row.kvbridge_ms, row.kvbridge_nocheck_ms, row.vllm_ms = (
-        m.kvbridge_ms, m.kvbridge_nocheck_ms, m.vllm_ms
-    )  # fmt: skip
+        m.kvbridge_ms,
+        m.kvbridge_nocheck_ms,
+        m.vllm_ms,
+    )
     row.kvbridge_descriptors, row.kvbridge_descriptors_before = m.plan.count, m.plan.unmerged
     row.vllm_transfers = len(lengths)
     row.kvbridge_bytes, row.vllm_bytes = m.plan.nbytes, int(sum(lengths))
@@ -833,10 +860,16 @@ def run_vllm_planning(
             for layout in layouts:
                 for size in tokens:
                     rows += measure_cells(
-                        shape, layout, size, patterns, runs=runs,
-                        memory_bytes=int(memory_gib * 2**30), max_layers=max_layers,
-                        estimate=estimate, advance=advance,
-                    )  # fmt: skip
+                        shape,
+                        layout,
+                        size,
+                        patterns,
+                        runs=runs,
+                        memory_bytes=int(memory_gib * 2**30),
+                        max_layers=max_layers,
+                        estimate=estimate,
+                        advance=advance,
+                    )
     finally:
         gc.unfreeze()
     return {
@@ -894,14 +927,23 @@ def vllm_planning_grid(doc: dict[str, Any]) -> Grid:
         )
         rows.append(
             [
-                *head, layers, f"{r['blocks']:,}", _num(r["kvbridge_ms"], 3),
-                _num(r["vllm_ms"], 3), _speedup(r["speedup"]), f"{r['kvbridge_descriptors']:,}",
-                f"{r['vllm_transfers']:,}", _same_bytes(r), _num(r["layout_build_ms"], 2),
-                _num(r.get("kvbridge_first_ms"), 2), _num(r["vllm_prepare_ms"], 2),
-                _num(r["kvbridge_ms_model"], 2), _num(r["vllm_ms_model"], 2),
+                *head,
+                layers,
+                f"{r['blocks']:,}",
+                _num(r["kvbridge_ms"], 3),
+                _num(r["vllm_ms"], 3),
+                _speedup(r["speedup"]),
+                f"{r['kvbridge_descriptors']:,}",
+                f"{r['vllm_transfers']:,}",
+                _same_bytes(r),
+                _num(r["layout_build_ms"], 2),
+                _num(r.get("kvbridge_first_ms"), 2),
+                _num(r["vllm_prepare_ms"], 2),
+                _num(r["kvbridge_ms_model"], 2),
+                _num(r["vllm_ms_model"], 2),
                 _speedup(r["speedup_model"]),
             ]
-        )  # fmt: skip
+        )
     s = doc["settings"]
     notes = [
         f"Same vLLM-allocated caches (vLLM {s['vllm']}, CPU) and block ids for both planners. "
@@ -921,11 +963,25 @@ def vllm_planning_grid(doc: dict[str, Any]) -> Grid:
         *[f"({n}) {reason}" for reason, n in reasons.items()],
     ]
     headers = [
-        "shape", "layout", "ids", "tokens", "layers", "blocks", "kvbridge ms", "vLLM ms",
-        "speedup", "kvbridge desc.", "vLLM transfers", "bytes", "layout ms", "kvbridge 1st ms",
+        "shape",
+        "layout",
+        "ids",
+        "tokens",
+        "layers",
+        "blocks",
+        "kvbridge ms",
+        "vLLM ms",
+        "speedup",
+        "kvbridge desc.",
+        "vLLM transfers",
+        "bytes",
+        "layout ms",
+        "kvbridge 1st ms",
         "vLLM prep. ms",
-        "kvbridge model ms", "vLLM model ms", "model speedup",
-    ]  # fmt: skip
+        "kvbridge model ms",
+        "vLLM model ms",
+        "model speedup",
+    ]
     title = "Planning one request: kvbridge beside vLLM's Mooncake connector"
     return Grid(title, headers, rows, notes, left=(0, 1, 2))
 
@@ -943,38 +999,62 @@ def build_parser() -> argparse.ArgumentParser:
         description=(__doc__ or "").split("\n\n")[0].replace("``", ""),
     )
     p.add_argument(
-        "--shapes", nargs="+", choices=list(VLLM_SHAPES), default=list(VLLM_SHAPES),
-        metavar="SHAPE", help=f"model shapes (default: all): {', '.join(VLLM_SHAPES)}",
-    )  # fmt: skip
+        "--shapes",
+        nargs="+",
+        choices=list(VLLM_SHAPES),
+        default=list(VLLM_SHAPES),
+        metavar="SHAPE",
+        help=f"model shapes (default: all): {', '.join(VLLM_SHAPES)}",
+    )
     p.add_argument(
-        "--layers", type=int, default=None, metavar="N",
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
         help="measure at most the first N layers of each model (quicker, smaller runs)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), metavar="N",
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_TOKENS),
+        metavar="N",
         help="prompt lengths to plan (default: 1k 8k 32k 128k)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--patterns", nargs="+", choices=list(VLLM_PATTERNS), default=list(VLLM_PATTERNS),
+        "--patterns",
+        nargs="+",
+        choices=list(VLLM_PATTERNS),
+        default=list(VLLM_PATTERNS),
         help=f"{VLLM_PATTERN_HELP} (default: these three)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--layouts", nargs="+", choices=ALL_VLLM_LAYOUTS, default=list(VLLM_LAYOUTS),
+        "--layouts",
+        nargs="+",
+        choices=ALL_VLLM_LAYOUTS,
+        default=list(VLLM_LAYOUTS),
         help=f"vLLM KV cache layouts (default: {' '.join(VLLM_LAYOUTS)})",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--vllm-runs", type=int, default=5, metavar="N",
+        "--vllm-runs",
+        type=int,
+        default=5,
+        metavar="N",
         help="timed runs per planner and cell, median reported (default 5)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--memory-gib", type=float, default=6.0, metavar="GIB",
+        "--memory-gib",
+        type=float,
+        default=6.0,
+        metavar="GIB",
         help="most cache memory per worker (P and D each); bigger cells measure fewer layers and "
         "estimate the model's time from two layer counts (default 6)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-estimate", action="store_true",
+        "--no-estimate",
+        action="store_true",
         help="measure cells cut to fewer layers once only, without the full-model estimate",
-    )  # fmt: skip
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON, no table")
     out.add_argument("--output", type=Path, default=None, help="also write the JSON to a file")
@@ -1016,10 +1096,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with progress(total, enabled=True) as advance:
         try:
             doc["vllm_planning"] = run_vllm_planning(
-                args.shapes, args.tokens, args.patterns, args.layouts, runs=args.vllm_runs,
-                memory_gib=args.memory_gib, max_layers=args.layers,
-                estimate=not args.no_estimate, advance=advance,
-            )  # fmt: skip
+                args.shapes,
+                args.tokens,
+                args.patterns,
+                args.layouts,
+                runs=args.vllm_runs,
+                memory_gib=args.memory_gib,
+                max_layers=args.layers,
+                estimate=not args.no_estimate,
+                advance=advance,
+            )
         except ModuleNotFoundError as err:
             if (err.name or "").split(".")[0] not in ("vllm", "torch"):
                 raise

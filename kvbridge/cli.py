@@ -81,9 +81,11 @@ def cmd_transports(args: argparse.Namespace, console: Console) -> int:
         # Plugin names, packages and engine messages are text, not rich markup: an install hint
         # such as `pip install 'kvbridge[mooncake]'` must print as written.
         table.add_row(
-            escape(info.name), escape(info.package), "yes" if info.usable else "no",
+            escape(info.name),
+            escape(info.package),
+            "yes" if info.usable else "no",
             escape(info.reason),
-        )  # fmt: skip
+        )
     console.print(table if infos else "no transport is installed")
     return 0
 
@@ -94,14 +96,22 @@ def _plan_table(plan: TransferPlan, title: str) -> Table:
         table.add_column(column, justify="right")
     for g in plan.groups:
         table.add_row(
-            str(g.group_index), g.kind.value, str(g.regions), str(g.blocks),
-            str(g.descriptors), f"{g.nbytes:,}",
-        )  # fmt: skip
+            str(g.group_index),
+            g.kind.value,
+            str(g.regions),
+            str(g.blocks),
+            str(g.descriptors),
+            f"{g.nbytes:,}",
+        )
     table.add_section()
     table.add_row(
-        "all", "", str(sum(g.regions for g in plan.groups)), "", str(plan.unmerged),
+        "all",
+        "",
+        str(sum(g.regions for g in plan.groups)),
+        "",
+        str(plan.unmerged),
         f"{plan.nbytes:,}",
-    )  # fmt: skip
+    )
     return table
 
 
@@ -169,9 +179,13 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
         groups.add_column(column, justify="right")
     for g in first.groups:
         groups.add_row(
-            str(g["group_index"]), g["kind"], str(g["regions"]), str(g["blocks"]),
-            f"{g['descriptors']:,}", f"{g['nbytes']:,}",
-        )  # fmt: skip
+            str(g["group_index"]),
+            g["kind"],
+            str(g["regions"]),
+            str(g["blocks"]),
+            f"{g['descriptors']:,}",
+            f"{g['nbytes']:,}",
+        )
     how = "decode reads from prefill" if first.mode == "pull" else "prefill writes to decode"
     transfer = Table(title=f"{how}: two processes on 127.0.0.1, control plane over zmq")
     transfer.add_column("")
@@ -257,11 +271,17 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     log_dir = tempfile.mkdtemp(prefix="kvbridge-demo-")
     for name in names:
         config = DemoConfig(
-            transport=name, mode=Mode(args.mode), shape=args.shape, num_layers=args.layers,
-            num_blocks=args.num_blocks, prompt_tokens=args.prompt_tokens, timeout=args.timeout,
-            transport_options={"timeout": args.timeout}, log_dir=os.path.join(log_dir, name),
+            transport=name,
+            mode=Mode(args.mode),
+            shape=args.shape,
+            num_layers=args.layers,
+            num_blocks=args.num_blocks,
+            prompt_tokens=args.prompt_tokens,
+            timeout=args.timeout,
+            transport_options={"timeout": args.timeout},
+            log_dir=os.path.join(log_dir, name),
             secret=args.secret,
-        )  # fmt: skip
+        )
         os.makedirs(config.log_dir or log_dir, exist_ok=True)
         try:
             results.append(run_demo(config, progress=console.is_terminal))
@@ -306,9 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("decode", type=Path, help="decode (destination) layout JSON")
     p.add_argument("blocks", type=Path, help="block ids JSON: {prefill: {group: [ids]}, decode: …}")
     p.add_argument(
-        "--op", choices=[o.value for o in TransferOp], default="read",
+        "--op",
+        choices=[o.value for o in TransferOp],
+        default="read",
         help="read: decode pulls (default); write: prefill pushes",
-    )  # fmt: skip
+    )
     p.add_argument("--no-merge", action="store_true", help="do not merge adjacent descriptors")
     p.add_argument("--json", action="store_true", help="print the descriptors as JSON")
     p.set_defaults(func=cmd_plan)

@@ -90,8 +90,20 @@ def two_hosts(tag: str = "kvb") -> Iterator[tuple[Host, Host]]:
             for host in (p, d):
                 made.append(host.netns)  # removed even if `add` failed half way
                 _ip("netns", "add", host.netns)
-            _ip("link", "add", DEVICE, "netns", p.netns, "type", "veth",
-                "peer", "name", DEVICE, "netns", d.netns)  # fmt: skip
+            _ip(
+                "link",
+                "add",
+                DEVICE,
+                "netns",
+                p.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                DEVICE,
+                "netns",
+                d.netns,
+            )
             for host in (p, d):
                 _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", DEVICE)
                 _ip("-n", host.netns, "link", "set", "lo", "up")

@@ -26,10 +26,29 @@ from .core.reference import minimum_descriptor_count, reference_descriptors
 def small_run():
     """One run of every benchmark on the smallest settings (a few seconds)."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", "bench", "--tokens", "1024", "--layers", "4",
-         "--plan-runs", "2", "--plan-seconds", "0", "--transfer-mib", "2", "--reps", "1", "--json"],
-        capture_output=True, text=True, timeout=170,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbridge.cli",
+            "bench",
+            "--tokens",
+            "1024",
+            "--layers",
+            "4",
+            "--plan-runs",
+            "2",
+            "--plan-seconds",
+            "0",
+            "--transfer-mib",
+            "2",
+            "--reps",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -62,8 +81,13 @@ def test_transfer_results_cover_every_usable_transport_and_were_verified(small_r
         modes = set(r["seconds"])
         assert {"kvbridge", "transport", "memcpy"} <= modes <= set(MODES)
         assert all(r["gbps"][m] > 0 for m in modes) and r["gbps"]["kvbridge_transfer"] > 0
-        assert set(r["ratios"]) == {"kvbridge/raw", "transport/raw", "raw/memcpy",
-                                    "verify-sample/kvbridge", "verify-full/kvbridge"}  # fmt: skip
+        assert set(r["ratios"]) == {
+            "kvbridge/raw",
+            "transport/raw",
+            "raw/memcpy",
+            "verify-sample/kvbridge",
+            "verify-full/kvbridge",
+        }
         assert {"verify-sample", "verify-full"} <= modes
         assert all(r["verify_ms"][m] > 0 for m in ("verify-sample", "verify-full"))
         assert r["plan_ms"] > 0 and r["plan_warm_ms"] > 0
@@ -120,8 +144,9 @@ def test_the_terminal_tables_show_brackets_as_written():
 
     from kvbridge.bench.report import Grid
 
-    grid = Grid("kvbridge[mooncake] [/]", ["way [x]"], [["pip install 'kvbridge[nixl]'"]],
-                ["see [/note]"])  # fmt: skip
+    grid = Grid(
+        "kvbridge[mooncake] [/]", ["way [x]"], [["pip install 'kvbridge[nixl]'"]], ["see [/note]"]
+    )
     console = Console(width=200, record=True)
     console.print(grid.rich())
     text = console.export_text()

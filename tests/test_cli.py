@@ -42,10 +42,11 @@ def test_plan_prints_groups_and_merged_counts(name, capsys):
     p, d, blocks = (Path(f) for f in example(name))
     ids = json.loads(blocks.read_text())
     plan = plan_transfers(
-        Layout.from_json(p.read_bytes()), Layout.from_json(d.read_bytes()),
+        Layout.from_json(p.read_bytes()),
+        Layout.from_json(d.read_bytes()),
         {int(k): v for k, v in ids["prefill"].items()},
         {int(k): v for k, v in ids["decode"].items()},
-    )  # fmt: skip
+    )
     assert f"descriptors: {plan.unmerged} before merging, {plan.count} after" in out
     assert f"{plan.nbytes:,} bytes" in out
     for g in plan.groups:
@@ -112,9 +113,12 @@ NO_MOONCAKE = "import sys; sys.modules['mooncake'] = None; from kvbridge.cli imp
 def _run_without_mooncake(*args: str) -> subprocess.CompletedProcess[str]:
     code = NO_MOONCAKE.format(args=list(args))
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "COLUMNS": "400"},
-    )  # fmt: skip
+    )
 
 
 def test_transports_prints_a_missing_engines_install_hint_as_written():

@@ -17,11 +17,31 @@ from kvbridge.demo import AddressMap, DemoConfig, build_engine_cache, verify_dec
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_demo_moves_and_verifies_a_hybrid_request_through_mooncake(mode):
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", "demo", "--transport", "mooncake", "--mode", mode,
-         "--layers", "8", "--num-blocks", "8", "--prompt-tokens", "2048", "--json",
-         "--timeout", "60", "--secret", "demo-secret"],
-        capture_output=True, text=True, timeout=170,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbridge.cli",
+            "demo",
+            "--transport",
+            "mooncake",
+            "--mode",
+            mode,
+            "--layers",
+            "8",
+            "--num-blocks",
+            "8",
+            "--prompt-tokens",
+            "2048",
+            "--json",
+            "--timeout",
+            "60",
+            "--secret",
+            "demo-secret",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert result.returncode == 0, result.stderr
     (run,) = json.loads(result.stdout)
     assert run["transport"] == "mooncake" and run["mode"] == mode

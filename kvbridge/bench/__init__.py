@@ -47,52 +47,86 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "what", nargs="?", choices=["all", "planning", "transfer"], default="all",
+        "what",
+        nargs="?",
+        choices=["all", "planning", "transfer"],
+        default="all",
         help="which benchmark to run (default: all = planning and transfer; beside vLLM's own "
         "planning code: python benchmarks/vllm_planning.py in a source tree)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--shapes", nargs="+", default=None, metavar="SHAPE",
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="SHAPE",
         help=f"model shapes (default: all): {', '.join(CASES)}",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--layers", type=int, default=None, metavar="N",
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
         help="keep only the first N layers of each model (quicker, smaller runs)",
-    )  # fmt: skip
+    )
     plan = p.add_argument_group("planning")
     plan.add_argument(
-        "--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), metavar="N",
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_TOKENS),
+        metavar="N",
         help="prompt lengths to plan (default: 1k 8k 32k 128k)",
-    )  # fmt: skip
+    )
     plan.add_argument(
-        "--patterns", nargs="+", choices=list(PATTERNS), default=None,
+        "--patterns",
+        nargs="+",
+        choices=list(PATTERNS),
+        default=None,
         help=f"{PATTERN_HELP} (default: these three)",
-    )  # fmt: skip
+    )
     plan.add_argument(
-        "--plan-runs", type=int, default=7, metavar="N",
+        "--plan-runs",
+        type=int,
+        default=7,
+        metavar="N",
         help="timed runs per measurement, at least (default 7)",
-    )  # fmt: skip
+    )
     plan.add_argument(
-        "--plan-seconds", type=float, default=0.3, metavar="S",
+        "--plan-seconds",
+        type=float,
+        default=0.3,
+        metavar="S",
         help="keep timing a measurement while S seconds last (default 0.3; at most 200 runs)",
-    )  # fmt: skip
+    )
     plan.add_argument(
-        "--reference-tokens", type=int, default=1024, metavar="N",
+        "--reference-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
         help="time the slow reference planner on requests up to N tokens (default 1024; 0: never)",
-    )  # fmt: skip
+    )
     move = p.add_argument_group("transfer")
     move.add_argument(
-        "--transports", nargs="+", default=None, metavar="NAME",
+        "--transports",
+        nargs="+",
+        default=None,
+        metavar="NAME",
         help="transports to measure (default: every installed, usable one)",
-    )  # fmt: skip
+    )
     move.add_argument(
-        "--transfer-mib", type=float, default=256, metavar="MIB",
+        "--transfer-mib",
+        type=float,
+        default=256,
+        metavar="MIB",
         help="size of the request moved, in MiB (default 256)",
-    )  # fmt: skip
+    )
     move.add_argument(
-        "--reps", type=int, default=8, metavar="N",
+        "--reps",
+        type=int,
+        default=8,
+        metavar="N",
         help="timed repetitions of each way of moving it, after a verified warm-up (default 8)",
-    )  # fmt: skip
+    )
     move.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON, no tables")
@@ -163,9 +197,14 @@ def progress(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
     """A progress bar on stderr (stdout stays for the tables or JSON); ``advance(what)``."""
     console = Console(stderr=True)
     bar = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, disable=not (enabled and console.is_terminal), transient=True,
-    )  # fmt: skip
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not (enabled and console.is_terminal),
+        transient=True,
+    )
     task = bar.add_task("kvbridge bench", total=total)
     started = False
 
@@ -218,17 +257,26 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         names, skipped = _transports(args.transports)
         doc["skipped_transports"] = skipped
         settings = TransferSettings(
-            transports=names, cases=list(args.shapes), target_mib=args.transfer_mib,
-            reps=args.reps, num_layers=args.layers, timeout=args.timeout,
-        )  # fmt: skip
+            transports=names,
+            cases=list(args.shapes),
+            target_mib=args.transfer_mib,
+            reps=args.reps,
+            num_layers=args.layers,
+            timeout=args.timeout,
+        )
         total += transfer_steps(settings)
     with progress(total, enabled=True) as advance:
         if args.what in ("all", "planning"):
             doc["planning"] = run_planning(
-                args.shapes, args.tokens, args.patterns, num_layers=args.layers,
-                min_runs=args.plan_runs, budget_s=args.plan_seconds,
-                reference_tokens=args.reference_tokens, advance=advance,
-            )  # fmt: skip
+                args.shapes,
+                args.tokens,
+                args.patterns,
+                num_layers=args.layers,
+                min_runs=args.plan_runs,
+                budget_s=args.plan_seconds,
+                reference_tokens=args.reference_tokens,
+                advance=advance,
+            )
         if settings is not None:
             doc["transfer"] = run_transfer(settings, advance)
     return doc

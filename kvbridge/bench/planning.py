@@ -126,13 +126,21 @@ def measure(
     seconds, runs = _time(lambda: plan_transfers(p, d, p_ids, d_ids), min_runs, budget_s)
     attention = d.groups[min(d.groups)]
     row = PlanningRow(
-        case=case.name, model=case.shape.source.split()[0], block_size=attention.block_size,
-        kernel_block_size=attention.kernel_size, groups=len(d.groups),
-        prompt_tokens=prompt_tokens, pattern=pattern, blocks=sum(g.blocks for g in plan.groups),
-        bytes=plan.nbytes, runs=runs, median_ms=seconds * 1e3,
-        descriptors_before=plan.unmerged, descriptors_after=plan.count,
+        case=case.name,
+        model=case.shape.source.split()[0],
+        block_size=attention.block_size,
+        kernel_block_size=attention.kernel_size,
+        groups=len(d.groups),
+        prompt_tokens=prompt_tokens,
+        pattern=pattern,
+        blocks=sum(g.blocks for g in plan.groups),
+        bytes=plan.nbytes,
+        runs=runs,
+        median_ms=seconds * 1e3,
+        descriptors_before=plan.unmerged,
+        descriptors_after=plan.count,
         minimum=minimum_descriptors(unmerged.src, unmerged.dst, unmerged.lengths),
-    )  # fmt: skip
+    )
     if reference:
         _add_reference(row, p, d, p_ids, d_ids)
     return row
@@ -204,10 +212,15 @@ def run_planning(
                 advance(f"planning {name} {size:,} tokens, {pattern} ids")
                 rows.append(
                     measure(
-                        CASES[name], size, pattern, num_layers=num_layers, min_runs=min_runs,
-                        budget_s=budget_s, reference=size <= reference_tokens,
+                        CASES[name],
+                        size,
+                        pattern,
+                        num_layers=num_layers,
+                        min_runs=min_runs,
+                        budget_s=budget_s,
+                        reference=size <= reference_tokens,
                     )
-                )  # fmt: skip
+                )
     return {
         "settings": {
             "cases": list(cases),

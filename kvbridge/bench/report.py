@@ -64,13 +64,20 @@ def planning_grid(doc: dict[str, Any]) -> Grid:
         merged = f"{r['descriptors_after']:,}" + (" ✗" if above else "")
         rows.append(
             [
-                r["case"], _tokens(r["prompt_tokens"]), r["pattern"], str(r["groups"]),
-                f"{r['blocks']:,}", _num(r["median_ms"], 3), _num(r["ms_per_group"], 3),
-                _num(r["ns_per_descriptor"], 0), f"{r['descriptors_before']:,}", merged,
+                r["case"],
+                _tokens(r["prompt_tokens"]),
+                r["pattern"],
+                str(r["groups"]),
+                f"{r['blocks']:,}",
+                _num(r["median_ms"], 3),
+                _num(r["ms_per_group"], 3),
+                _num(r["ns_per_descriptor"], 0),
+                f"{r['descriptors_before']:,}",
+                merged,
                 f"{r['minimum']:,}",
                 "-" if r["reference_speedup"] is None else f"{r['reference_speedup']:,.0f}x",
             ]
-        )  # fmt: skip
+        )
     settings = doc["settings"]
     reference = settings.get("reference_tokens") or 0
     notes = [
@@ -87,9 +94,19 @@ def planning_grid(doc: dict[str, Any]) -> Grid:
         ),
     ]
     headers = [
-        "shape", "tokens", "ids", "groups", "blocks", "plan ms", "ms/group", "ns/desc",
-        "desc. before", "merged", "minimum", "vs ref.",
-    ]  # fmt: skip
+        "shape",
+        "tokens",
+        "ids",
+        "groups",
+        "blocks",
+        "plan ms",
+        "ms/group",
+        "ns/desc",
+        "desc. before",
+        "merged",
+        "minimum",
+        "vs ref.",
+    ]
     return Grid("Planning one request", headers, rows, notes, left=(0, 2))
 
 
@@ -115,14 +132,23 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
         g, q = r["gbps"], r["ratios"]
         rows.append(
             [
-                r["transport"], r["case"], f"{r['bytes'] / 2**20:,.0f}", f"{r['descriptors']:,}",
-                _num(g.get("memcpy")), _num(g.get("raw")), _num(g.get("kvbridge")),
-                _num(g.get("kvbridge_transfer")), _num(g.get("transport")),
-                _num(q.get("kvbridge/raw")), _num(q.get("raw/memcpy")), _num(r["plan_ms"], 2),
-                _num(g.get("verify-sample")), _num(g.get("verify-full")),
+                r["transport"],
+                r["case"],
+                f"{r['bytes'] / 2**20:,.0f}",
+                f"{r['descriptors']:,}",
+                _num(g.get("memcpy")),
+                _num(g.get("raw")),
+                _num(g.get("kvbridge")),
+                _num(g.get("kvbridge_transfer")),
+                _num(g.get("transport")),
+                _num(q.get("kvbridge/raw")),
+                _num(q.get("raw/memcpy")),
+                _num(r["plan_ms"], 2),
+                _num(g.get("verify-sample")),
+                _num(g.get("verify-full")),
                 _num((r.get("verify_ms") or {}).get("verify-full"), 1),
             ]
-        )  # fmt: skip
+        )
     s = doc["settings"]
     notes = [
         f"Throughput in GB/s: median of {s['reps']} repetitions after a verified warm-up, two "
@@ -136,10 +162,22 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
         "descriptors on both sides); verify ms: the full check's own time."
     ]
     headers = [
-        "transport", "shape", "MiB", "desc.", "memcpy", "raw", "kvbridge", "transfer only",
-        "no ctl. plane", "kvbridge/raw", "raw/memcpy", "plan ms", "verify sample", "verify full",
+        "transport",
+        "shape",
+        "MiB",
+        "desc.",
+        "memcpy",
+        "raw",
+        "kvbridge",
+        "transfer only",
+        "no ctl. plane",
+        "kvbridge/raw",
+        "raw/memcpy",
+        "plan ms",
+        "verify sample",
+        "verify full",
         "verify ms",
-    ]  # fmt: skip
+    ]
     title = "Moving one request between two processes (GB/s)"
     return Grid(title, headers, rows, notes, left=(0, 1))
 
@@ -165,10 +203,7 @@ def targets(doc: dict[str, Any]) -> list[str]:
             f"descriptors after merging equal the minimum: {len(rows) - len(bad)}/{len(rows)} "
             "cases" + (f" (not: {', '.join(r['case'] for r in bad)})" if bad else "")
         )
-        hybrid = [
-            r for r in rows
-            if r["case"] == "qwen3.5-hybrid" and r["prompt_tokens"] == 32768
-        ]  # fmt: skip
+        hybrid = [r for r in rows if r["case"] == "qwen3.5-hybrid" and r["prompt_tokens"] == 32768]
         if hybrid:
             worst = max(r["ms_per_group"] for r in hybrid)
             lines.append(

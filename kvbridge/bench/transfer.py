@@ -324,9 +324,10 @@ class _Process:
         self.role, self.log_path = role, log_path
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_worker, args=(role, child, transport, options, log_path),
+            target=_worker,
+            args=(role, child, transport, options, log_path),
             name=f"kvbridge-bench-{role}",
-        )  # fmt: skip
+        )
         self.proc.start()
         child.close()
 
@@ -500,9 +501,15 @@ def run_transfer(settings: TransferSettings, advance: Callable[[str], None]) -> 
         tokens = size_request(case, int(settings.target_mib * 2**20), settings.num_layers)
         blocks = case.blocks_needed(tokens, settings.num_layers)
         specs.append(
-            CaseSpec(name, tokens, blocks + blocks // 2 + 8, settings.num_layers, settings.seed,
-                     settings.timeout)
-        )  # fmt: skip
+            CaseSpec(
+                name,
+                tokens,
+                blocks + blocks // 2 + 8,
+                settings.num_layers,
+                settings.seed,
+                settings.timeout,
+            )
+        )
     ctx = mp.get_context("spawn")  # fresh interpreters: no engine state is inherited
     options = {"timeout": settings.timeout}
     slow = 10 * settings.timeout  # building and checking a cache takes a while on 2 cores
@@ -516,8 +523,9 @@ def run_transfer(settings: TransferSettings, advance: Callable[[str], None]) -> 
             has_raw = all(started)
             modes = [m for m in MODES if m != "raw" or has_raw]
             for spec in specs:
-                results.append(_measure_case(transport, spec, prefill, decode, modes, settings,
-                                             advance))  # fmt: skip
+                results.append(
+                    _measure_case(transport, spec, prefill, decode, modes, settings, advance)
+                )
         except BenchError as err:
             raise BenchError(f"{transport}: {err} (engine logs in {log_dir})") from None
         finally:

@@ -85,8 +85,12 @@ class Handshakes:
         with self._lock:
             client = self._clients.get(endpoint)
             if client is None:
-                client = PeerClient(endpoint, self._ctx.engine_id, secret=self._secret,
-                                    timeout=self._ctx.deadlines.call)  # fmt: skip
+                client = PeerClient(
+                    endpoint,
+                    self._ctx.engine_id,
+                    secret=self._secret,
+                    timeout=self._ctx.deadlines.call,
+                )
                 self._clients[endpoint] = client
             return client
 
@@ -126,9 +130,12 @@ class Handshakes:
     def _own(self) -> Handshake:
         ctx = self._ctx
         return Handshake(
-            ctx.engine_id, ctx.layout.spec, ctx.transport.name, self._metadata,
+            ctx.engine_id,
+            ctx.layout.spec,
+            ctx.transport.name,
+            self._metadata,
             ctx.endpoint,
-        )  # fmt: skip
+        )
 
     # -- handshaking a prefill engine (D) ---------------------------------------------------------
     def remote_for(self, address: RankAddress, stats: RequestStats) -> RemoteEngine:
@@ -176,9 +183,13 @@ class Handshakes:
                     return None
                 except Exception as err:
                     if time.monotonic() >= deadline or self._ctx.closed:
-                        log.info("early handshake with %s: no answer within %.0f s (%s); the "
-                                 "first request from it will handshake", endpoint, patience,
-                                 type(err).__name__)  # fmt: skip
+                        log.info(
+                            "early handshake with %s: no answer within %.0f s (%s); the "
+                            "first request from it will handshake",
+                            endpoint,
+                            patience,
+                            type(err).__name__,
+                        )
                         return None
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         log.info("early handshake with %s: engine %s", endpoint, remote.engine_id)
@@ -202,9 +213,15 @@ class Handshakes:
                 if time.monotonic() + delay >= deadline:
                     raise
                 # Each retry says why and how long it waits: a slow first request shows here.
-                log.log(retries, "handshake with %s: attempt %d failed after %.3f s (%s); "
-                        "retrying in %.2f s", params.endpoint, attempt, time.monotonic() - t0,
-                        type(err).__name__, delay)  # fmt: skip
+                log.log(
+                    retries,
+                    "handshake with %s: attempt %d failed after %.3f s (%s); retrying in %.2f s",
+                    params.endpoint,
+                    attempt,
+                    time.monotonic() - t0,
+                    type(err).__name__,
+                    delay,
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 attempt += 1
@@ -225,9 +242,15 @@ class Handshakes:
         if old is not None and old.engine_id != reply.engine_id:
             ctx.transport.disconnect(old.engine_id)  # P restarted: forget the old engine
         ctx.transport.connect(reply.engine_id, reply.metadata)
-        log.debug("handshake with %s (%s): answered in %.3f s after %d attempt(s), transport "
-                  "connected in %.3f s", params.endpoint, reply.engine_id, answered - t0, attempt,
-                  time.monotonic() - answered)  # fmt: skip
+        log.debug(
+            "handshake with %s (%s): answered in %.3f s after %d attempt(s), transport "
+            "connected in %.3f s",
+            params.endpoint,
+            reply.engine_id,
+            answered - t0,
+            attempt,
+            time.monotonic() - answered,
+        )
         remote = RemoteEngine(reply.engine_id, remote_layout, params.endpoint)
         with self._lock:
             self._by_endpoint[params.endpoint] = remote

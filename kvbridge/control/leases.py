@@ -123,9 +123,14 @@ class Leases:
         ctx = self._ctx
         ids = checked_ids(ctx.layout, block_ids, "published")
         params = TransferParams(
-            request_id, ctx.engine_id, ctx.endpoint, ids, num_tokens,
-            ctx.transport.name, Mode(mode),
-        )  # fmt: skip
+            request_id,
+            ctx.engine_id,
+            ctx.endpoint,
+            ids,
+            num_tokens,
+            ctx.transport.name,
+            Mode(mode),
+        )
         with self._lock:
             if request_id in self._leases:
                 raise KvbridgeError(f"request {request_id!r} is already published")
@@ -140,8 +145,11 @@ class Leases:
             waiting = sorted(key for key in self._pending_push if key[0] == request_id)
             pushes = [self._pending_push.pop(key) for key in waiting]
             starts = [(self._join(lease, push[1]), push) for push in pushes]
-        log.debug("request %s: published (%s)", request_id,
-                  f"{len(pushes)} push(es) waiting" if pushes else mode)  # fmt: skip
+        log.debug(
+            "request %s: published (%s)",
+            request_id,
+            f"{len(pushes)} push(es) waiting" if pushes else mode,
+        )
         for reader, (remote, request, _) in starts:
             self._start_push(reader, remote, request)
         return params
@@ -159,14 +167,21 @@ class Leases:
     def expire(self, now: float) -> None:
         """Housekeeping: free leases D never released, forget what is remembered too long."""
         with self._lock:
-            expired = [r for r, lease in self._leases.items()
-                       if lease.expires_at < now and not lease.pushing]  # fmt: skip
+            expired = [
+                r
+                for r, lease in self._leases.items()
+                if lease.expires_at < now and not lease.pushing
+            ]
             forget_expired(self._pending_push, now, lambda pushed: pushed[2])
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
         for rid in expired:
-            self._free(rid, False, f"lease of {self._ctx.deadlines.lease:g} s expired before "
-                       "decode released it", RequestStats(lease_expired=True))  # fmt: skip
+            self._free(
+                rid,
+                False,
+                f"lease of {self._ctx.deadlines.lease:g} s expired before decode released it",
+                RequestStats(lease_expired=True),
+            )
 
     def close(self) -> None:
         """Free every lease (the plane is closing)."""
@@ -187,9 +202,10 @@ class Leases:
             raise MessageError("tp_size", f"request {rid!r}: {err}") from None
         if lease.expected is not None and lease.expected != expected:
             raise MessageError(
-                "tp_size", f"request {rid!r} is read by decode ranks {_span(lease.expected)}, "
+                "tp_size",
+                f"request {rid!r} is read by decode ranks {_span(lease.expected)}, "
                 f"not by a decode of TP size {body.tp_size}",
-            )  # fmt: skip
+            )
         if body.rank not in expected:
             raise MessageError(
                 "not_a_reader",
@@ -197,8 +213,9 @@ class Leases:
                 f"rank {spec.tp_rank} of {spec.tp_size} (its readers: {_span(expected)})",
             )
         if body.rank in lease.readers:
-            raise MessageError("duplicate", f"request {rid!r} is already taken by decode rank "
-                               f"{body.rank}")  # fmt: skip
+            raise MessageError(
+                "duplicate", f"request {rid!r} is already taken by decode rank {body.rank}"
+            )
         lease.expected = expected
         reader = _Reader(lease, peer, rank=body.rank)
         lease.readers[body.rank] = reader
@@ -227,8 +244,11 @@ class Leases:
             if reader is None:  # a D rank that read nothing here: its word ends its part
                 reader = self._join(lease, body, peer)
             elif reader.engine_id != peer or reader.pushing:
-                raise MessageError("not_yours", f"engine {peer!r} cannot release decode rank "
-                                   f"{body.rank}'s part of {body.request_id!r}")  # fmt: skip
+                raise MessageError(
+                    "not_yours",
+                    f"engine {peer!r} cannot release decode rank "
+                    f"{body.rank}'s part of {body.request_id!r}",
+                )
             if reader.ended:
                 return Ok()  # a repeated release
             reader.end(body.ok, "released by decode" if body.ok else body.reason)
@@ -320,8 +340,9 @@ class Leases:
         rid, block_ids = reader.params.request_id, request.block_ids
         stats = RequestStats(queued_s=time.monotonic() - started)
         try:
-            plan = transfers.plan(ctx.layout, remote.layout, reader.params.block_ids,
-                                  block_ids, stats)  # fmt: skip
+            plan = transfers.plan(
+                ctx.layout, remote.layout, reader.params.block_ids, block_ids, stats
+            )
             if plan is not None:
                 try:
                     remote.wait_connected(ctx.deadlines.connect)
@@ -375,16 +396,24 @@ class Leases:
                 start = time.monotonic()
                 self._peers.client(endpoint).request(done, ctx.deadlines.call)
                 took = time.monotonic() - start
-                log.log(logging.WARNING if took >= ctx.deadlines.slow_after else logging.DEBUG,
-                        "request %s: push end (ok=%s) delivered in %.3f s",
-                        done.request_id, done.ok, took)  # fmt: skip
+                log.log(
+                    logging.WARNING if took >= ctx.deadlines.slow_after else logging.DEBUG,
+                    "request %s: push end (ok=%s) delivered in %.3f s",
+                    done.request_id,
+                    done.ok,
+                    took,
+                )
                 return
             except PeerRefusedError as err:  # D is gone: nobody to tell
                 log.info("request %s: decode is gone (%s)", done.request_id, err)
                 return
             except Exception as err:
-                log.warning("request %s: could not tell decode the push ended (try %d): %s",
-                            done.request_id, attempt + 1, err)  # fmt: skip
+                log.warning(
+                    "request %s: could not tell decode the push ended (try %d): %s",
+                    done.request_id,
+                    attempt + 1,
+                    err,
+                )
             if ctx.closed:
                 return
 

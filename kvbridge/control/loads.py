@@ -250,15 +250,22 @@ class Loads:
             try:
                 for part in parts:
                     assert part.remote is not None
-                    part.plan = transfers.plan(part.remote.layout, ctx.layout,
-                                               params.block_ids, pending.block_ids,
-                                               pending.stats)  # fmt: skip
+                    part.plan = transfers.plan(
+                        part.remote.layout,
+                        ctx.layout,
+                        params.block_ids,
+                        pending.block_ids,
+                        pending.stats,
+                    )
             finally:
                 wait(asked)  # nothing else is said to P before it answered this
             for claim in asked:
                 claim.result()
-            moving = [(part.remote.engine_id, part.plan, part) for part in parts
-                      if part.plan is not None and part.remote is not None]  # fmt: skip
+            moving = [
+                (part.remote.engine_id, part.plan, part)
+                for part in parts
+                if part.plan is not None and part.remote is not None
+            ]
             transfers.move(TransferOp.READ, moving, pending.stats)
             if ctx.verify is not Verify.OFF:
                 for part in parts:
@@ -268,8 +275,11 @@ class Loads:
             reading = [part for part in parts if part.handle is not None]
             if reading:
                 self._hold(pending)
-            fences = [transfers.fence(part.handle, rid, pending.stats)
-                      for part in reading if part.handle is not None]  # fmt: skip
+            fences = [
+                transfers.fence(part.handle, rid, pending.stats)
+                for part in reading
+                if part.handle is not None
+            ]
             reason = f"pull of {rid!r} from {params.endpoint} failed: {err}"
             if Fence.UNPROVEN in fences:
                 self._hold_for_good(pending, reason)
@@ -301,8 +311,9 @@ class Loads:
         delay = 0.005
         while True:
             try:
-                client.request(PullStart(params.request_id, params.block_ids, **self._me),
-                               deadlines.call)  # fmt: skip
+                client.request(
+                    PullStart(params.request_id, params.block_ids, **self._me), deadlines.call
+                )
                 return
             except ControlError as err:
                 if err.code != "unknown_request" or part.aborted:
@@ -320,8 +331,9 @@ class Loads:
         rid = pending.params.request_id
         ask = DigestRequest(rid, pending.block_ids, ctx.verify.value, **self._me)
         # P digests its side while D digests its own.
-        asked = ctx.peer_waits.submit(self._peers.client(part.address.endpoint).request, ask,
-                                     ctx.deadlines.call)  # fmt: skip
+        asked = ctx.peer_waits.submit(
+            self._peers.client(part.address.endpoint).request, ask, ctx.deadlines.call
+        )
         mine = plan_digest(plan, "dst", ctx.verify, rid)
         reply = asked.result()
         pending.stats.verify_s += time.monotonic() - start
@@ -344,15 +356,18 @@ class Loads:
         except Exception as err:  # nothing was asked: no P rank writes anything for it
             for part in pending.parts.values():
                 self._ctx.requests.submit(
-                    self._tell, part.address, Abort(rid, pending.abort_reason or str(err)[:4000],
-                                                    **self._me))  # fmt: skip
+                    self._tell,
+                    part.address,
+                    Abort(rid, pending.abort_reason or str(err)[:4000], **self._me),
+                )
                 part.asked.set()
             self._finish_pending(rid, False, f"push request of {rid!r} failed: {err}")
             return
         asks = [self._ctx.asks.submit(self._ask_push, part) for part in pending.parts.values()]
         wait(asks)
-        log.debug("request %s: push requested from %d prefill rank(s)", params.request_id,
-                  len(asks))  # fmt: skip
+        log.debug(
+            "request %s: push requested from %d prefill rank(s)", params.request_id, len(asks)
+        )
         # The outcome arrives as PushDone from each rank, or is settled with P past the deadline.
 
     def _ask_push(self, part: _Part) -> None:
@@ -409,8 +424,9 @@ class Loads:
         try:
             if part.remote is None:
                 raise KvbridgeError("no handshake with prefill to plan the check with")
-            plan = plan_tp_pair(part.remote.layout, ctx.layout, pending.params.block_ids,
-                                pending.block_ids)  # fmt: skip
+            plan = plan_tp_pair(
+                part.remote.layout, ctx.layout, pending.params.block_ids, pending.block_ids
+            )
             mine = None
             if plan is not None:
                 mine = plan_digest(plan, "dst", ctx.verify, rid)
@@ -421,10 +437,11 @@ class Loads:
         if body.digest != mine:
             pending.stats.verify_failed = True
             self._end_part(
-                part, False,
+                part,
+                False,
                 f"integrity check ({ctx.verify.value}) failed: prefill's digest {body.digest} "
                 f"of what it wrote differs from decode's {mine} of what it holds",
-            )  # fmt: skip
+            )
             return
         self._end_part(part, True, "")
 
@@ -513,8 +530,13 @@ class Loads:
             except PeerRefusedError as err:
                 return err
             except Exception as err:
-                log.warning("request %s: blocks held until %s (%.0f s so far): %s",
-                            rid, waiting, time.monotonic() - start, err)  # fmt: skip
+                log.warning(
+                    "request %s: blocks held until %s (%.0f s so far): %s",
+                    rid,
+                    waiting,
+                    time.monotonic() - start,
+                    err,
+                )
                 time.sleep(self._ctx.deadlines.retry_pause)
                 continue
             if answer is not None:
@@ -540,17 +562,23 @@ class Loads:
         log.warning(
             "request %s: its blocks stay held for good: the %s transport cannot prove that no "
             "byte of the failed transfer still lands in them (%s)",
-            pending.params.request_id, self._ctx.transport.name, reason,
-        )  # fmt: skip
+            pending.params.request_id,
+            self._ctx.transport.name,
+            reason,
+        )
 
     def _tell(self, address: RankAddress, body: Release | Abort) -> None:
         """Send a P rank a release or abort; one that does not arrive is freed by P's lease."""
         try:
             self._peers.client(address.endpoint).request(body, self._ctx.deadlines.call)
         except Exception as err:
-            log.info("request %s: %s not delivered to %s (%s); P's lease frees it",
-                     body.request_id, type(body).__name__.lower(), address.endpoint,
-                     err)  # fmt: skip
+            log.info(
+                "request %s: %s not delivered to %s (%s); P's lease frees it",
+                body.request_id,
+                type(body).__name__.lower(),
+                address.endpoint,
+                err,
+            )
 
     def _finish_pending(
         self, request_id: str, ok: bool, reason: str, *, closing: bool = False
@@ -572,11 +600,15 @@ class Loads:
             outcome = RequestOutcome(request_id, ok, reason, pending.stats)
             if ok:
                 outcome.transposes = [
-                    t for part in pending.parts.values() if part.remote is not None
-                    for t in received_transposes(part.remote.layout, ctx.layout,
-                                                 pending.params.block_ids, pending.block_ids)
-                ]  # fmt: skip
+                    t
+                    for part in pending.parts.values()
+                    if part.remote is not None
+                    for t in received_transposes(
+                        part.remote.layout, ctx.layout, pending.params.block_ids, pending.block_ids
+                    )
+                ]
             ctx.record(outcome)
-        log.debug("request %s: %s %s %s", request_id, "done" if ok else "failed", reason,
-                  pending.stats)  # fmt: skip
+        log.debug(
+            "request %s: %s %s %s", request_id, "done" if ok else "failed", reason, pending.stats
+        )
         self._transfers.report_slow("load", request_id, pending.stats)

@@ -184,9 +184,22 @@ class ErrorReply(Message, tag="error"):
 
 
 AnyMessage = (
-    Hello | Challenge | Auth | Handshake | PullStart | Release | Abort | PushRequest | PushDone
-    | PushQuery | DigestRequest | Digest | Ping | Ok | ErrorReply
-)  # fmt: skip
+    Hello
+    | Challenge
+    | Auth
+    | Handshake
+    | PullStart
+    | Release
+    | Abort
+    | PushRequest
+    | PushDone
+    | PushQuery
+    | DigestRequest
+    | Digest
+    | Ping
+    | Ok
+    | ErrorReply
+)
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -118,23 +118,31 @@ class ControlPlane:
         transport.register(layout.registration)
         #: what the roles share, handed to them instead of the plane (``PlaneContext``)
         self._ctx = ctx = PlaneContext(
-            self.engine_id, layout, transport, lock,
+            self.engine_id,
+            layout,
+            transport,
+            lock,
             # looked up at each outcome: a test may wrap the class's ``_record``
             record=lambda outcome: self._record(outcome),
-            deadlines=deadlines, verify=Verify(verify),
+            deadlines=deadlines,
+            verify=Verify(verify),
             requests=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request"),
             peer_waits=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence"),
             asks=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask"),
             digests=ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest"),
-        )  # fmt: skip
+        )
         self._peers = Handshakes(ctx, secret)
         transfers = Transfers(ctx)
         self._prefill = Leases(ctx, self._peers, transfers)
         self._decode = Loads(ctx, self._peers, transfers)
         self._endpoint = Endpoint(
-            self.engine_id, self._handle, host=host, port=port, secret=secret,
+            self.engine_id,
+            self._handle,
+            host=host,
+            port=port,
+            secret=secret,
             on_tick=self._tick,
-        )  # fmt: skip
+        )
         ctx.endpoint = self._endpoint.address
 
     # -- settings: the roles read them from the context; a change derives every bound again -----

@@ -71,8 +71,9 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.ranks and (self.ranks[0].engine_id, self.ranks[0].endpoint) != (
-            self.engine_id, self.endpoint,
-        ):  # fmt: skip
+            self.engine_id,
+            self.endpoint,
+        ):
             raise msgspec.ValidationError("ranks[0] must be engine_id and endpoint (P's rank 0)")
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,10 +123,13 @@ class RequestStats:
     def figures(self) -> TransferFigures:
         """What this side's transfer moved and took, as P tells D (``PushDone``)."""
         return TransferFigures(
-            nbytes=self.nbytes, descriptors=self.descriptors,
-            descriptors_before_merge=self.descriptors_before_merge, plan_s=self.plan_s,
-            transfer_s=self.transfer_s, unproven=self.unproven,
-        )  # fmt: skip
+            nbytes=self.nbytes,
+            descriptors=self.descriptors,
+            descriptors_before_merge=self.descriptors_before_merge,
+            plan_s=self.plan_s,
+            transfer_s=self.transfer_s,
+            unproven=self.unproven,
+        )
 
     def add_pushed(self, figures: TransferFigures) -> None:
         """Count one P rank's push into this load (D, from several P ranks): what they moved

@@ -92,9 +92,11 @@ class Transfers:
         return plan
 
     def move(
-        self, op: TransferOp, parts: Sequence[tuple[str, TransferPlan, RankPart]],
+        self,
+        op: TransferOp,
+        parts: Sequence[tuple[str, TransferPlan, RankPart]],
         stats: RequestStats,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Submit each part's plan to its peer, then wait for them all; each ``part.handle``
         keeps its batch for abort and fence (on failure the caller fences every one set).
 
@@ -109,8 +111,13 @@ class Transfers:
                     raise KvbridgeError("aborted by decode before the transfer started")
             local, remote, lengths = plan.local_remote(op)
             handle = transport.submit(op, peer, local, remote, lengths)
-            log.debug("request %s: %s of %d descriptors submitted to %s",
-                      part.params.request_id, op.value, len(lengths), peer)  # fmt: skip
+            log.debug(
+                "request %s: %s of %d descriptors submitted to %s",
+                part.params.request_id,
+                op.value,
+                len(lengths),
+                peer,
+            )
             with self._lock:
                 part.handle = handle
                 aborted = part.aborted
@@ -136,8 +143,10 @@ class Transfers:
             log.warning(
                 "request %s: the %s engine still holds part of a given-up transfer after %.0f s; "
                 "its blocks stay out of use until it gives it back",
-                rid, ctx.transport.name, time.monotonic() - start,
-            )  # fmt: skip
+                rid,
+                ctx.transport.name,
+                time.monotonic() - start,
+            )
         stats.fence_s = time.monotonic() - start
         stats.unproven = fence is not Fence.DRAINED
         return fence
@@ -148,11 +157,13 @@ class Transfers:
         peer's answer, the engine's transfer, a fence)."""
         if stats.total_s < self._ctx.deadlines.slow_after:
             return
-        parts = ("queued_s", "handshake_s", "ask_s", "plan_s", "transfer_s", "fence_s",
-                 "verify_s")  # fmt: skip
+        parts = ("queued_s", "handshake_s", "ask_s", "plan_s", "transfer_s", "fence_s", "verify_s")
         known = sum(getattr(stats, name) for name in parts)
         log.warning(  # in a push, D's unaccounted time is its wait for P's word
-            "request %s: %s took %.2f s: %s, unaccounted %.2f s", request_id, what, stats.total_s,
+            "request %s: %s took %.2f s: %s, unaccounted %.2f s",
+            request_id,
+            what,
+            stats.total_s,
             ", ".join(f"{name[:-2]} {getattr(stats, name):.2f}" for name in parts),
             max(0.0, stats.total_s - known),
-        )  # fmt: skip
+        )

@@ -123,9 +123,10 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
             # Different kernel blocks are split into token units: only right where every
             # region lists tokens in order.
             scattered = [
-                key for key in sorted(set(ra) & set(rb))
+                key
+                for key in sorted(set(ra) & set(rb))
                 if not (ra[key].token_major and rb[key].token_major)
-            ]  # fmt: skip
+            ]
             if scattered:
                 diffs.append(
                     f"group {index} kernel block size: {na}={ga.kernel_size} "

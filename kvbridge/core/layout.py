@@ -219,9 +219,16 @@ def expand_tensor(tensor: CacheTensor, group: CacheGroup) -> list[Region]:
 
     def region(part: Part, base: int, offset: int = 0) -> Region:
         return Region(
-            group.index, tensor.layer_name, tensor.tensor, part, base, stride, offset, length,
+            group.index,
+            tensor.layer_name,
+            tensor.tensor,
+            part,
+            base,
+            stride,
+            offset,
+            length,
             tensor.token_major,
-        )  # fmt: skip
+        )
 
     if group.kind in (GroupKind.MLA, GroupKind.STATE) or tensor.kv_layout is KVLayout.WHOLE:
         if length > stride:

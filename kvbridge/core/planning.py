@@ -566,10 +566,14 @@ def _plan_pairs(
         parts.append(part)
         stats.append(
             GroupPlanStats(
-                dg.group.index, dg.group.kind, len(dg.regions), int(d_ids.size), part.count,
+                dg.group.index,
+                dg.group.kind,
+                len(dg.regions),
+                int(d_ids.size),
+                part.count,
                 int(part.lengths.sum()),
             )
-        )  # fmt: skip
+        )
     if parts:
         # Addresses are computed in int64 (numpy's index type) and reinterpreted, not copied.
         # One group's arrays need no concatenation (a copy), unless they are read-only views.

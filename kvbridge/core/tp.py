@@ -121,10 +121,17 @@ def _piece(
         v_offset = t.block_bytes if v_offset is None else v_offset
     whole = offset == 0 and length == t.block_bytes
     return msgspec.structs.replace(
-        t, addr=t.addr + shift, block_bytes=length, v_addr=v_addr, v_offset=v_offset,
-        tensor=name, alloc_addr=alloc_addr, alloc_size=alloc_size,
-        token_major=(t.token_major and whole) or in_order, shards=msgspec.UNSET,
-    )  # fmt: skip
+        t,
+        addr=t.addr + shift,
+        block_bytes=length,
+        v_addr=v_addr,
+        v_offset=v_offset,
+        tensor=name,
+        alloc_addr=alloc_addr,
+        alloc_size=alloc_size,
+        token_major=(t.token_major and whole) or in_order,
+        shards=msgspec.UNSET,
+    )
 
 
 def _all_units(layout: Layout) -> dict[UnitKey, list[tuple[int, int]]]:
@@ -270,9 +277,11 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
     fs, fd = src.spec.block_format, dst.spec.block_format
     formats = (fs, fd) if fs == fd else (unit_format(fs), unit_format(fd))
     return TPPair(
-        _restricted(src, s_pieces, formats[0]), _restricted(dst, d_pieces, formats[1]),
-        frozenset(groups), units,
-    )  # fmt: skip
+        _restricted(src, s_pieces, formats[0]),
+        _restricted(dst, d_pieces, formats[1]),
+        frozenset(groups),
+        units,
+    )
 
 
 #: Restricted pairs per pair of layouts: built once, like the planner's templates (which are
@@ -346,10 +355,13 @@ def plan_tp_pair(
         (src, dst) if pair.src is None or pair.dst is None else (pair.src, pair.dst)
     )
     return plan_transfers(
-        s_layout, d_layout,
-        only_groups(src_block_ids, groups), only_groups(dst_block_ids, groups),
-        merge=merge, check=check,
-    )  # fmt: skip
+        s_layout,
+        d_layout,
+        only_groups(src_block_ids, groups),
+        only_groups(dst_block_ids, groups),
+        merge=merge,
+        check=check,
+    )
 
 
 def contact_ranks(d_rank: int, d_size: int, p_size: int) -> range:
@@ -407,8 +419,10 @@ def check_coverage(src_layouts: Mapping[int, Layout], dst: Layout) -> None:
             )
     ordered = tuple(src_layouts[r] for r in sorted(src_layouts))
     seen = _COVERED.setdefault(dst, [])
-    if any(len(refs) == len(ordered) and all(r() is s for r, s in zip(refs, ordered, strict=True))
-           for refs in seen):  # fmt: skip
+    if any(
+        len(refs) == len(ordered) and all(r() is s for r, s in zip(refs, ordered, strict=True))
+        for refs in seen
+    ):
         return
     _coverage([restrict_pair(layout, dst) for layout in ordered], dst)
     seen[:] = [refs for refs in seen if all(r() is not None for r in refs)][-7:]

@@ -370,9 +370,14 @@ class Transport(TransportContract):
             self._ranges.require_covered(batch.local, batch.lengths, "local")
             self._check_remote(state, batch.remote, batch.lengths, peer)
             handle = TransferHandle(
-                op, peer, batch.count, batch.nbytes, time.monotonic() + self.timeout,
-                transport=self.name, where=self._describe_peer(state),
-            )  # fmt: skip
+                op,
+                peer,
+                batch.count,
+                batch.nbytes,
+                time.monotonic() + self.timeout,
+                transport=self.name,
+                where=self._describe_peer(state),
+            )
             chunks = split_batch(
                 handle, batch.local, batch.remote, batch.lengths, self.limits.max_batch
             )

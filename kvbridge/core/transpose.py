@@ -138,9 +138,11 @@ def received_transposes(
         if group.kind is GroupKind.MLA:
             continue  # one latent head: the same bytes in every layout
         _, d_ids = pair_block_ids(
-            src.groups[index], group, group_ids(src_block_ids, index),
+            src.groups[index],
+            group,
+            group_ids(src_block_ids, index),
             group_ids(dst_block_ids, index),
-        )  # fmt: skip
+        )
         if d_ids.size:
             kernels = logical_to_kernel(d_ids, group.ratio)
             out.append(Transpose(index, kernels, to_head_major=is_token_major(src)))

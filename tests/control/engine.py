@@ -59,8 +59,14 @@ def build_cache(config: dict[str, Any], seed: int) -> tuple[Arena, Layout]:
     arena = Arena()
     if "tp" in config:
         tp = config["tp"]
-        layout = build_rank(tp_model(config), tp["rank"], tp["size"], tp.get("kernel", 4),
-                            arena, config["num_blocks"])  # fmt: skip
+        layout = build_rank(
+            tp_model(config),
+            tp["rank"],
+            tp["size"],
+            tp.get("kernel", 4),
+            arena,
+            config["num_blocks"],
+        )
         arena.fill(seed)
         return arena, layout
     shape = dataclasses.replace(
@@ -110,11 +116,16 @@ def main() -> None:
     # ``host``: the side channel's address (the plane's own default unless the test sets one).
     where = {"host": config["host"]} if "host" in config else {}
     plane = ControlPlane(
-        layout, transport, engine_id=config.get("engine_id"), secret=config.get("secret"),
-        timeout=timeout, lease=config.get("lease", 30.0),
+        layout,
+        transport,
+        engine_id=config.get("engine_id"),
+        secret=config.get("secret"),
+        timeout=timeout,
+        lease=config.get("lease", 30.0),
         handshake_timeout=config.get("handshake_timeout", 5.0),
-        verify=config.get("verify", "off"), **where,
-    )  # fmt: skip
+        verify=config.get("verify", "off"),
+        **where,
+    )
     for fault in config.get("faults", ()):
         inject_fault(plane, fault)
     reply({"endpoint": plane.endpoint, "engine_id": plane.engine_id, "pid": os.getpid()})
@@ -131,9 +142,13 @@ def main() -> None:
 
 
 def handle(
-    cmd: dict[str, Any], plane: ControlPlane, config: dict[str, Any], arena: Arena,
-    layout: Layout, original: list[np.ndarray],
-) -> Any:  # fmt: skip
+    cmd: dict[str, Any],
+    plane: ControlPlane,
+    config: dict[str, Any],
+    arena: Arena,
+    layout: Layout,
+    original: list[np.ndarray],
+) -> Any:
     name = cmd["cmd"]
     if name == "publish":
         mode = Mode(cmd.get("mode", "pull"))
@@ -149,16 +164,22 @@ def handle(
         return {"aborted": True}
     if name == "wait":
         out = plane.wait(cmd["request_id"], cmd.get("timeout", 30))
-        reply = {"request_id": out.request_id, "ok": out.ok, "reason": out.reason,
-                 "stats": out.stats.__dict__}  # fmt: skip
+        reply = {
+            "request_id": out.request_id,
+            "ok": out.ok,
+            "reason": out.reason,
+            "stats": out.stats.__dict__,
+        }
         if cmd.get("reuse"):  # the moment of the outcome, as vLLM reuses (recomputes into) blocks
             for buf in arena.buffers:
                 buf.fill(0)
             reply["digest"] = [hashlib.sha256(b.tobytes()).hexdigest() for b in arena.buffers]
         return reply
     if name == "finished":
-        return [{"request_id": o.request_id, "ok": o.ok, "reason": o.reason}
-                for o in plane.poll_finished()]  # fmt: skip
+        return [
+            {"request_id": o.request_id, "ok": o.ok, "reason": o.reason}
+            for o in plane.poll_finished()
+        ]
     if name == "leased":
         return plane.leased
     if name == "withdrawn":  # requests D gave up before P published them
@@ -166,8 +187,10 @@ def handle(
             return sorted(plane._prefill._withdrawn)
     if name == "pullers":
         with plane._lock:
-            return {r: next((reader.engine_id for reader in lease.readers.values()), None)
-                    for r, lease in plane._prefill._leases.items()}  # fmt: skip
+            return {
+                r: next((reader.engine_id for reader in lease.readers.values()), None)
+                for r, lease in plane._prefill._leases.items()
+            }
     if name == "readers":  # P: which D ranks took their part of each lease
         with plane._lock:
             return {r: sorted(lease.readers) for r, lease in plane._prefill._leases.items()}
@@ -200,8 +223,7 @@ def handle(
         with plane._finished_cond:
             return sorted([*reading, *plane._finished])
     if name == "transport":  # what the transport announces to peers (Mooncake: its session)
-        return {"name": plane.transport.name,
-                "session": getattr(plane.transport, "session", None)}  # fmt: skip
+        return {"name": plane.transport.name, "session": getattr(plane.transport, "session", None)}
     if name == "pending_push":
         with plane._lock:
             return sorted(rid for rid, _ in plane._prefill._pending_push)
@@ -256,16 +278,18 @@ def inject_fault(plane: ControlPlane, fault: str) -> None:
             pending = decode._pending.get(body.request_id)
             if pending is not None and body.ok:
                 remote = next(iter(plane._peers._by_endpoint.values()))
-                plan = plan_transfers(remote.layout, plane.layout, pending.params.block_ids,
-                                      pending.block_ids)  # fmt: skip
+                plan = plan_transfers(
+                    remote.layout, plane.layout, pending.params.block_ids, pending.block_ids
+                )
                 flip(plan.dst.tolist())
             on_push_done(body, sender)
 
         plane.transport.submit = submit_  # type: ignore[method-assign]
         plane.transport.wait = wait_  # type: ignore[method-assign]
         decode.on_push_done = on_push_done_  # type: ignore[method-assign]
-        _INJECTED.extend([(plane.transport, "submit"), (plane.transport, "wait"),
-                          (decode, "on_push_done")])  # fmt: skip
+        _INJECTED.extend(
+            [(plane.transport, "submit"), (plane.transport, "wait"), (decode, "on_push_done")]
+        )
     else:
         raise ValueError(f"unknown fault {fault!r}")
 
@@ -279,8 +303,12 @@ def check_request(cmd: dict[str, Any], layout: Layout, arena: Arena) -> dict[str
     if key not in _SOURCES:
         _SOURCES[key] = build_cache(cmd["source"], cmd["source"]["seed"])
     p_arena, p_layout = _SOURCES[key]
-    plan = plan_transfers(p_layout, layout, {int(k): v for k, v in cmd["p_ids"].items()},
-                          {int(k): v for k, v in cmd["d_ids"].items()})  # fmt: skip
+    plan = plan_transfers(
+        p_layout,
+        layout,
+        {int(k): v for k, v in cmd["p_ids"].items()},
+        {int(k): v for k, v in cmd["d_ids"].items()},
+    )
     src, dst = AddressMap(p_arena.bases, p_arena.buffers), AddressMap(arena.bases, arena.buffers)
     for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True):
         if not np.array_equal(src.view(s, n), dst.view(d, n)):
@@ -289,9 +317,12 @@ def check_request(cmd: dict[str, Any], layout: Layout, arena: Arena) -> dict[str
 
 
 def verify(
-    cmd: dict[str, Any], config: dict[str, Any], arena: Arena, layout: Layout,
+    cmd: dict[str, Any],
+    config: dict[str, Any],
+    arena: Arena,
+    layout: Layout,
     original: list[np.ndarray],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Regenerate each source engine's cache and check every byte of this one."""
     expected = [b.copy() for b in original]
     target = AddressMap(arena.bases, expected)
@@ -299,10 +330,15 @@ def verify(
         p_arena, p_layout = build_cache(source["config"], source["config"]["seed"])
         src = AddressMap(p_arena.bases, p_arena.buffers)
         for p_ids, d_ids in source["pairs"]:
-            plan = plan_transfers(p_layout, layout, {int(k): v for k, v in p_ids.items()},
-                                  {int(k): v for k, v in d_ids.items()})  # fmt: skip
-            for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(),
-                               strict=True):  # fmt: skip
+            plan = plan_transfers(
+                p_layout,
+                layout,
+                {int(k): v for k, v in p_ids.items()},
+                {int(k): v for k, v in d_ids.items()},
+            )
+            for s, d, n in zip(
+                plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True
+            ):
                 target.view(d, n)[:] = src.view(s, n)
     return _compared(arena, expected, int(sum(b.size for b in arena.buffers)))
 
@@ -316,9 +352,12 @@ def _compared(arena: Arena, expected: list[np.ndarray], nbytes: int) -> dict[str
 
 
 def verify_tp(
-    cmd: dict[str, Any], config: dict[str, Any], arena: Arena, layout: Layout,
+    cmd: dict[str, Any],
+    config: dict[str, Any],
+    arena: Arena,
+    layout: Layout,
     original: list[np.ndarray],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Check every byte of this D rank against the slow per-unit reference (not the planner):
     regenerate every P rank's cache (``cmd["sources"]``: their configs in rank order), and for
     each request (``cmd["requests"]``: P ids, D ids) put where the reference says each byte of
@@ -329,9 +368,13 @@ def verify_tp(
     target = AddressMap(arena.bases, expected)
     moved = 0
     for p_ids, d_ids in cmd["requests"]:
-        ref = reference_tp(tp_model(config), p_layouts, layout,
-                           {int(k): v for k, v in p_ids.items()},
-                           {int(k): v for k, v in d_ids.items()})  # fmt: skip
+        ref = reference_tp(
+            tp_model(config),
+            p_layouts,
+            layout,
+            {int(k): v for k, v in p_ids.items()},
+            {int(k): v for k, v in d_ids.items()},
+        )
         for q, descriptors in ref.items():
             src = AddressMap(p_caches[q][0].bases, p_caches[q][0].buffers)
             for s, d, n in descriptors:
@@ -370,8 +413,12 @@ class EngineProcess:
         prefix = ["ip", "netns", "exec", netns] if netns else []
         proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "tests.control.engine", json.dumps(config)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=ROOT,
+        )
         engine = cls(proc, {}, config, log_path)
         engine.info = engine._read(60)
         return engine
@@ -442,8 +489,9 @@ def run_requests(
         tokens = rng.randint(1, 300)
         p_ids, d_ids = p_alloc.request(tokens), d_alloc.request(tokens)
         rid = f"{prefix}{i}"
-        params.append(p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=tokens,
-                             mode=mode))  # fmt: skip
+        params.append(
+            p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=tokens, mode=mode)
+        )
         pairs.append((p_ids, d_ids))
     for prm, (_, d_ids) in zip(params, pairs, strict=True):
         assert d.call(cmd=mode, params=prm, block_ids=d_ids) == {"started": True}

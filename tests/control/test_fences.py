@@ -31,9 +31,14 @@ def test_push_into_frozen_decode_reports_only_after_the_fence(engines, transport
     d_ids = BlockAllocator(d.layout, 2).request(4000)
     ids = BlockAllocator(p.layout, 1).request(4000)
     params = {  # D asks for the push before P has published: P writes as soon as it does
-        "request_id": rid, "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
-        "block_ids": ids, "num_tokens": 4000, "transport": transport, "mode": "push",
-    }  # fmt: skip
+        "request_id": rid,
+        "engine_id": p.info["engine_id"],
+        "endpoint": p.info["endpoint"],
+        "block_ids": ids,
+        "num_tokens": 4000,
+        "transport": transport,
+        "mode": "push",
+    }
     d.call(cmd="push", params=params, block_ids=d_ids)
     wait_for(lambda: rid in p.call(cmd="pending_push"), 10)
     d.kill(signal.SIGSTOP)
@@ -43,9 +48,11 @@ def test_push_into_frozen_decode_reports_only_after_the_fence(engines, transport
     d.kill(signal.SIGCONT)
     outcome = d.call(cmd="wait", request_id=rid, timeout=60)
     FAULT_TIMINGS.append(
-        (f"{transport}: D frozen {2 * TIMEOUT + 1:g} s during a push -> D's outcome",
-         time.monotonic() - start)
-    )  # fmt: skip
+        (
+            f"{transport}: D frozen {2 * TIMEOUT + 1:g} s during a push -> D's outcome",
+            time.monotonic() - start,
+        )
+    )
     assert_quiet_after(d)
     if outcome["ok"]:  # everything landed before P gave up: then it must be all of it
         assert d.call(cmd="verify", sources=[{"config": p.config, "pairs": [[ids, d_ids]]}])["ok"]
@@ -58,8 +65,7 @@ def test_push_into_frozen_decode_reports_only_after_the_fence(engines, transport
 
 def test_lost_push_done_costs_time_not_the_request(engines, transport):
     """P's word that the push ended never arrives: D asks P past its deadline and loads."""
-    p = engines("prefill", transport, seed=91, lease=60, timeout=TIMEOUT,
-                faults=["drop_push_done"])  # fmt: skip
+    p = engines("prefill", transport, seed=91, lease=60, timeout=TIMEOUT, faults=["drop_push_done"])
     d = engines("decode", transport, seed=92, timeout=TIMEOUT, handshake_timeout=TIMEOUT)
     params = publish(p, "mute", mode="push")
     d_ids = BlockAllocator(d.layout, 2).request(200)
@@ -107,9 +113,11 @@ def test_prefill_frozen_during_pull_holds_decode_blocks_until_fenced(engines, tr
     p.kill(signal.SIGCONT)
     outcome = d.call(cmd="wait", request_id="frozen-p", timeout=60)
     FAULT_TIMINGS.append(
-        (f"{transport}: P frozen {TIMEOUT + 3:g} s during a pull -> D's outcome",
-         time.monotonic() - start)
-    )  # fmt: skip
+        (
+            f"{transport}: P frozen {TIMEOUT + 3:g} s during a pull -> D's outcome",
+            time.monotonic() - start,
+        )
+    )
     assert_quiet_after(d)
     assert outcome.get("request_id") == "frozen-p", outcome
     # Unless the read had finished (UCX's cma copies even from a stopped process), D held the
@@ -129,8 +137,9 @@ def test_prefill_frozen_during_pull_holds_decode_blocks_until_fenced(engines, tr
 def test_verify_passes_clean_loads_and_fails_corrupted_ones(engines, transport, mode, verify):
     p = engines("prefill", transport, seed=131, timeout=TIMEOUT)
     d = engines("decode", transport, seed=132, timeout=TIMEOUT, verify=verify)
-    bad = engines("decode", transport, seed=133, timeout=TIMEOUT, verify=verify,
-                  faults=["corrupt_received"])  # fmt: skip
+    bad = engines(
+        "decode", transport, seed=133, timeout=TIMEOUT, verify=verify, faults=["corrupt_received"]
+    )
     for name, engine, expect_ok in (("clean", d, True), ("corrupt", bad, False)):
         params = publish(p, name, mode=mode, tokens=300)
         ids = BlockAllocator(engine.layout, 2).request(300)
@@ -181,9 +190,11 @@ def stutter_round(stopped, d, transport, rid, window_ms, what):
     stopped.kill(signal.SIGCONT)
     outcome = d.call(cmd="wait", request_id=rid, timeout=120, reuse=True)
     FAULT_TIMINGS.append(
-        (f"{transport}: {what} stuttering ({window_ms} ms) -> D's outcome",
-         time.monotonic() - start)
-    )  # fmt: skip
+        (
+            f"{transport}: {what} stuttering ({window_ms} ms) -> D's outcome",
+            time.monotonic() - start,
+        )
+    )
     assert_untouched_since(d, outcome["digest"])
     assert outcome["request_id"] == rid, outcome
     assert not outcome["stats"]["unproven"], outcome
@@ -209,8 +220,9 @@ def test_prefill_stuttering_during_pull(engines, transport):
     p, d, p_ids, d_ids = huge_pair(engines, transport, "pull", seed=141)
     for window_ms in WINDOWS_MS:
         rid = f"stutter-p-{window_ms}"
-        params = p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS,
-                        mode="pull")  # fmt: skip
+        params = p.call(
+            cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS, mode="pull"
+        )
         d.call(cmd="pull", params=params, block_ids=d_ids)
         wait_for(lambda rid=rid: rid in d.call(cmd="reading"), 10, step=0.001)
         outcome, held = stutter_round(p, d, transport, rid, window_ms, "P in a pull")
@@ -226,14 +238,17 @@ def test_decode_stuttering_during_push(engines, transport):
     for window_ms in WINDOWS_MS:
         rid = f"stutter-d-{window_ms}"
         params = {  # D asks for the push before P has published: P writes as soon as it does
-            "request_id": rid, "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
-            "block_ids": p_ids, "num_tokens": HUGE_TOKENS, "transport": transport,
+            "request_id": rid,
+            "engine_id": p.info["engine_id"],
+            "endpoint": p.info["endpoint"],
+            "block_ids": p_ids,
+            "num_tokens": HUGE_TOKENS,
+            "transport": transport,
             "mode": "push",
-        }  # fmt: skip
+        }
         d.call(cmd="push", params=params, block_ids=d_ids)
         wait_for(lambda rid=rid: rid in p.call(cmd="pending_push"), 10)
-        p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS,
-               mode="push")  # fmt: skip
+        p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS, mode="push")
         stutter_round(d, d, transport, rid, window_ms, "D in a push")
         wait_for(lambda rid=rid: freed(p, rid), 20)
     assert_nothing_left(p)

@@ -30,8 +30,9 @@ def test_64_concurrent_requests_of_mixed_sizes(engines, transport, mode):
     p = engines("prefill", transport, seed=11, num_blocks=2048)
     d = engines("decode", transport, seed=12, num_blocks=2048)
     rng = random.Random(5)
-    pairs = run_requests(p, d, 64, mode, rng, BlockAllocator(p.layout, 1),
-                         BlockAllocator(d.layout, 2))  # fmt: skip
+    pairs = run_requests(
+        p, d, 64, mode, rng, BlockAllocator(p.layout, 1), BlockAllocator(d.layout, 2)
+    )
     check_bytes(d, [{"config": p.config, "pairs": pairs}])
     freed = {o["request_id"]: o for o in p.call(cmd="finished")}
     deadline = time.monotonic() + 10  # the last releases may reach P a moment after D is done
@@ -60,14 +61,16 @@ def test_prefill_restarted_between_two_requests(engines, transport):
     d = engines("decode", transport, seed=32, num_blocks=512)
     d_alloc = BlockAllocator(d.layout, 6)
     p1 = engines("prefill1", transport, seed=31, num_blocks=512)
-    pairs1 = run_requests(p1, d, 1, "pull", random.Random(1), BlockAllocator(p1.layout, 7),
-                          d_alloc, "before")  # fmt: skip
+    pairs1 = run_requests(
+        p1, d, 1, "pull", random.Random(1), BlockAllocator(p1.layout, 7), d_alloc, "before"
+    )
     p1.stop()
     # A new prefill engine (new engine id, new endpoint and transport metadata).
     p2 = engines("prefill2", transport, seed=33, num_blocks=512)
     assert p2.info["engine_id"] != p1.info["engine_id"]
-    pairs2 = run_requests(p2, d, 1, "pull", random.Random(2), BlockAllocator(p2.layout, 8),
-                          d_alloc, "after")  # fmt: skip
+    pairs2 = run_requests(
+        p2, d, 1, "pull", random.Random(2), BlockAllocator(p2.layout, 8), d_alloc, "after"
+    )
     check_bytes(d, [{"config": p1.config, "pairs": pairs1}, {"config": p2.config, "pairs": pairs2}])
 
 
@@ -83,8 +86,9 @@ def test_two_prefills_serve_one_decode_at_once(engines, transport):
         which = i % 2
         tokens = rng.randint(1, 300)
         p_ids, d_ids = allocs[which].request(tokens), d_alloc.request(tokens)
-        params = prefills[which].call(cmd="publish", request_id=f"x{i}", block_ids=p_ids,
-                                      num_tokens=tokens)  # fmt: skip
+        params = prefills[which].call(
+            cmd="publish", request_id=f"x{i}", block_ids=p_ids, num_tokens=tokens
+        )
         assert d.call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
         pairs[which].append((p_ids, d_ids))
         started.append(f"x{i}")
@@ -104,8 +108,15 @@ def test_pull_that_arrives_before_the_publish_waits_for_it(engines, transport):
         BlockAllocator(p.layout, 1).request(150),
         BlockAllocator(d.layout, 2).request(150),
     )
-    early = {"request_id": "early", "engine_id": p.info["engine_id"], "endpoint": p.info["endpoint"],
-             "block_ids": p_ids, "num_tokens": 150, "transport": transport, "mode": "pull"}  # fmt: skip
+    early = {
+        "request_id": "early",
+        "engine_id": p.info["engine_id"],
+        "endpoint": p.info["endpoint"],
+        "block_ids": p_ids,
+        "num_tokens": 150,
+        "transport": transport,
+        "mode": "pull",
+    }
     assert d.call(cmd="pull", params=early, block_ids=d_ids) == {"started": True}
     time.sleep(0.5)
     assert (
@@ -133,8 +144,9 @@ def test_only_a_handshake_counts_as_handshake_time(engines, transport):
     seen = []
     for i in range(3):
         p_ids, d_ids = p_alloc.request(64), d_alloc.request(64)
-        params = p.call(cmd="publish", request_id=f"h{i}", block_ids=p_ids, num_tokens=64,
-                        mode="pull")  # fmt: skip
+        params = p.call(
+            cmd="publish", request_id=f"h{i}", block_ids=p_ids, num_tokens=64, mode="pull"
+        )
         assert d.call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
         out = d.call(cmd="wait", request_id=f"h{i}", timeout=30)
         assert out["ok"], out

@@ -20,8 +20,14 @@ def test_every_request_type_has_one_answer() -> None:
 
 
 def test_push_done_carries_its_figures_both_ways() -> None:
-    stats = RequestStats(nbytes=10, descriptors=2, descriptors_before_merge=3, plan_s=0.5,
-                         transfer_s=1.5, queued_s=9.0)  # fmt: skip
+    stats = RequestStats(
+        nbytes=10,
+        descriptors=2,
+        descriptors_before_merge=3,
+        plan_s=0.5,
+        transfer_s=1.5,
+        queued_s=9.0,
+    )
     sent = PushDone("r", True, "", stats.figures(), digest=7)
     got = decode(encode(3, sent)).body
     assert isinstance(got, PushDone) and got == sent and not got.unproven

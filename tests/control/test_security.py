@@ -121,24 +121,46 @@ def test_secret_is_never_sent_in_clear(raw, engines, transport):
 
 messages = st.one_of(
     st.binary(max_size=512),
-    st.builds(msgspec.msgpack.encode, st.recursive(
-        st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20) | st.binary(max_size=20),
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-        max_leaves=12,
-    )),
     st.builds(
-        lambda body, version, seq: msgspec.msgpack.encode({"version": version, "seq": seq, "body": body}),
+        msgspec.msgpack.encode,
+        st.recursive(
+            st.none()
+            | st.booleans()
+            | st.integers(-(2**63), 2**63 - 1)
+            | st.text(max_size=20)
+            | st.binary(max_size=20),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+            ),
+            max_leaves=12,
+        ),
+    ),
+    st.builds(
+        lambda body, version, seq: msgspec.msgpack.encode(
+            {"version": version, "seq": seq, "body": body}
+        ),
         st.dictionaries(
-            st.sampled_from(["type", "request_id", "block_ids", "ok", "reason", "engine_id", "nonce", "proof"]),
-            st.one_of(st.sampled_from(["pull_start", "release", "abort", "push_request", "handshake", "hello", "auth"]),
-                      st.integers(-(2**63), 2**64 - 1), st.text(max_size=30), st.binary(max_size=40),
-                      st.dictionaries(st.integers(-5, 5), st.lists(st.integers(-5, 2**41), max_size=3), max_size=3)),
+            st.sampled_from(
+                ["type", "request_id", "block_ids", "ok", "reason", "engine_id", "nonce", "proof"]
+            ),
+            st.one_of(
+                st.sampled_from(
+                    ["pull_start", "release", "abort", "push_request", "handshake", "hello", "auth"]
+                ),
+                st.integers(-(2**63), 2**64 - 1),
+                st.text(max_size=30),
+                st.binary(max_size=40),
+                st.dictionaries(
+                    st.integers(-5, 5), st.lists(st.integers(-5, 2**41), max_size=3), max_size=3
+                ),
+            ),
             max_size=5,
         ),
         st.sampled_from([1, 1, 1, 0, 2]),
         st.integers(0, 2**62),
     ),
-)  # fmt: skip
+)
 
 
 def test_malformed_and_fuzzed_messages_are_rejected_and_the_endpoint_keeps_serving(
@@ -152,8 +174,9 @@ def test_malformed_and_fuzzed_messages_are_rejected_and_the_endpoint_keeps_servi
     assert isinstance(trusted.login(SECRET), Ok)
     codes: set[str] = set()
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck),
-              derandomize=True)  # fmt: skip
+    @settings(
+        max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+    )
     @given(payload=messages)
     def fuzz(payload: bytes) -> None:
         for client in (anonymous, trusted):

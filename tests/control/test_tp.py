@@ -77,8 +77,10 @@ def start_side(engines, transport: str, side: str, size: int, model: dict, **con
 
 def publish(p: list[EngineProcess], rid: str, ids: dict, tokens: int, mode: str) -> dict:
     """Publish on every P rank; the transfer parameters the serving engine hands to D."""
-    params = [r.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=tokens, mode=mode)
-              for r in p]  # fmt: skip
+    params = [
+        r.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=tokens, mode=mode)
+        for r in p
+    ]
     out = dict(params[0])
     if len(p) > 1:
         out["ranks"] = [[prm["engine_id"], prm["endpoint"]] for prm in params]
@@ -129,8 +131,9 @@ def test_tp_pair_moves_every_byte(engines, engine_name, tps, mode, kind):
         for prm in params:
             out = rank.call(cmd="wait", request_id=prm["request_id"], timeout=60)
             assert out["ok"], out["reason"]
-        checked = rank.call(cmd="verify_tp", timeout=120, sources=[r.config for r in p],
-                            requests=requests)  # fmt: skip
+        checked = rank.call(
+            cmd="verify_tp", timeout=120, sources=[r.config for r in p], requests=requests
+        )
         assert checked["ok"] and checked["bytes"] > 0, checked
     # every P rank frees each request once every D rank reading it is done
     for rank in p:
@@ -152,8 +155,9 @@ def test_equal_tp_above_one_reads_rank_to_rank(engines, engine_name, mode):
         for prm in params:
             out = rank.call(cmd="wait", request_id=prm["request_id"], timeout=60)
             assert out["ok"], out["reason"]
-        assert rank.call(cmd="verify_tp", timeout=120, sources=[r.config for r in p],
-                         requests=requests)["ok"]  # fmt: skip
+        assert rank.call(
+            cmd="verify_tp", timeout=120, sources=[r.config for r in p], requests=requests
+        )["ok"]
     for rank in p:
         freed = outcomes(rank, len(params))
         assert len(freed) == len(params) and all(o["ok"] for o in freed.values()), freed
@@ -202,8 +206,9 @@ def test_decode_rank_killed_leaves_the_lease_to_expire(engines, engine_name):
     start = time.monotonic()
     assert d[0].call(cmd="pull", params=params, block_ids=d_ids) == {"started": True}
     assert d[0].call(cmd="wait", request_id="half", timeout=60)["ok"]
-    assert d[0].call(cmd="verify_tp", timeout=120, sources=[r.config for r in p],
-                     requests=[(p_ids, d_ids)])["ok"]  # fmt: skip
+    assert d[0].call(
+        cmd="verify_tp", timeout=120, sources=[r.config for r in p], requests=[(p_ids, d_ids)]
+    )["ok"]
     assert p[0].call(cmd="leased") == ["half"]  # D rank 1 has not said it is done
     freed = outcomes(p[0], 1, timeout=lease + 10)
     FAULT_TIMINGS.append(
@@ -237,8 +242,12 @@ def test_prefill_rank_killed_mid_transfer(engines, engine_name):
     FAULT_TIMINGS.append((f"{engine_name}: P rank 1 of 2 killed mid-pull -> D {out['ok']}", took))
     assert took < 5 + 2 * TIMEOUT + 5
     if out["ok"]:  # the read had finished before the kill: the bytes must be exact
-        checked = d[0].call(cmd="verify_tp", timeout=120, sources=[r.config for r in p],
-                            requests=[*earlier, (p_ids, d_ids)])  # fmt: skip
+        checked = d[0].call(
+            cmd="verify_tp",
+            timeout=120,
+            sources=[r.config for r in p],
+            requests=[*earlier, (p_ids, d_ids)],
+        )
         assert checked["ok"], checked
     freed = outcomes(p[0], 2)
     assert "victim" in freed, freed
@@ -266,8 +275,9 @@ def test_decode_rank_killed_mid_transfer(engines, engine_name):
         time.sleep(0.001)
     d[1].kill(signal.SIGKILL)
     assert d[0].call(cmd="wait", request_id="half", timeout=60)["ok"]
-    assert d[0].call(cmd="verify_tp", timeout=120, sources=[r.config for r in p],
-                     requests=[(p_ids, d_ids)])["ok"]  # fmt: skip
+    assert d[0].call(
+        cmd="verify_tp", timeout=120, sources=[r.config for r in p], requests=[(p_ids, d_ids)]
+    )["ok"]
     freed = outcomes(p[0], 1, timeout=lease + 10)
     FAULT_TIMINGS.append(
         (f"{engine_name}: D rank 1 of 2 killed mid-pull -> P frees", time.monotonic() - start)

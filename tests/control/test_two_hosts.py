@@ -61,9 +61,14 @@ def start(
 ) -> EngineProcess:
     """An engine in ``host``'s namespace, its side channel bound to ``host``'s address."""
     engine = engines(
-        role, transport, netns=host.netns, host=host.address, seed=seed, num_blocks=1024,
+        role,
+        transport,
+        netns=host.netns,
+        host=host.address,
+        seed=seed,
+        num_blocks=1024,
         options=options(transport, host, **opts),
-    )  # fmt: skip
+    )
     assert engine.info["endpoint"].startswith(f"tcp://{host.address}:"), engine.info
     assert engine.info["pid"] == engine.proc.pid  # `ip netns exec` ran it in place: reapable
     return engine
@@ -114,10 +119,24 @@ def test_mooncake_announcing_loopback_fails_cleanly(
     # well within the timeout: no hang, no wrong byte.
     p_host, d_host = hosts
     loopback = "p" if mode == "pull" else "d"
-    p = start(engines, p_host, "prefill", "mooncake", seed=71, timeout=4,
-              **({"hostname": "127.0.0.1"} if loopback == "p" else {}))  # fmt: skip
-    d = start(engines, d_host, "decode", "mooncake", seed=72, timeout=4,
-              **({"hostname": "127.0.0.1"} if loopback == "d" else {}))  # fmt: skip
+    p = start(
+        engines,
+        p_host,
+        "prefill",
+        "mooncake",
+        seed=71,
+        timeout=4,
+        **({"hostname": "127.0.0.1"} if loopback == "p" else {}),
+    )
+    d = start(
+        engines,
+        d_host,
+        "decode",
+        "mooncake",
+        seed=72,
+        timeout=4,
+        **({"hostname": "127.0.0.1"} if loopback == "d" else {}),
+    )
     assert (p if loopback == "p" else d).call(cmd="transport")["session"].startswith("127.0.0.1:")
     p_ids, d_ids = (
         BlockAllocator(p.layout, 1).request(200),

@@ -43,9 +43,14 @@ def attention_tensor(
     if layout is KVLayout.K_FIRST:
         addr = arena.allocate(2 * group.num_blocks * part)
         return CacheTensor(
-            name, group.index, addr, part, part, KVLayout.K_FIRST,
+            name,
+            group.index,
+            addr,
+            part,
+            part,
+            KVLayout.K_FIRST,
             v_addr=addr + group.num_blocks * part,
-        )  # fmt: skip
+        )
     addr = arena.allocate(group.num_blocks * 2 * part)
     if layout is KVLayout.WHOLE:  # each token's K|V together, the block moved whole
         return CacheTensor(name, group.index, addr, 2 * part, 2 * part, KVLayout.WHOLE)
@@ -69,18 +74,23 @@ def interleaved_tensors(
         addr = base + layer * page
         if not attention or layout is KVLayout.WHOLE:
             kv = KVLayout.WHOLE if attention else KVLayout.BLOCKS_FIRST
-            tensors.append(CacheTensor(name, group.index, addr, stride, page, kv,
-                                       alloc_addr=base, alloc_size=size))  # fmt: skip
+            tensors.append(
+                CacheTensor(
+                    name, group.index, addr, stride, page, kv, alloc_addr=base, alloc_size=size
+                )
+            )
         else:
-            tensors.append(CacheTensor(name, group.index, addr, stride, part,
-                                       alloc_addr=base, alloc_size=size))  # fmt: skip
+            tensors.append(
+                CacheTensor(name, group.index, addr, stride, part, alloc_addr=base, alloc_size=size)
+            )
     return tensors
 
 
 def mla_tensor(arena: Arena, name: str, group: CacheGroup, bytes_per_token: int) -> CacheTensor:
     per_block = group.block_size * bytes_per_token
-    return CacheTensor(name, group.index, arena.allocate(group.num_blocks * per_block), per_block,
-                       per_block)  # fmt: skip
+    return CacheTensor(
+        name, group.index, arena.allocate(group.num_blocks * per_block), per_block, per_block
+    )
 
 
 def state_tensors(
@@ -91,11 +101,20 @@ def state_tensors(
     base = arena.allocate(group.num_blocks * page)
     size = group.num_blocks * page
     return [
-        CacheTensor(name, group.index, base, page, conv, tensor="conv",
-                    alloc_addr=base, alloc_size=size),
-        CacheTensor(name, group.index, base + conv, page, ssm, tensor="ssm",
-                    alloc_addr=base, alloc_size=size),
-    ]  # fmt: skip
+        CacheTensor(
+            name, group.index, base, page, conv, tensor="conv", alloc_addr=base, alloc_size=size
+        ),
+        CacheTensor(
+            name,
+            group.index,
+            base + conv,
+            page,
+            ssm,
+            tensor="ssm",
+            alloc_addr=base,
+            alloc_size=size,
+        ),
+    ]
 
 
 def hybrid_layout(

@@ -153,18 +153,23 @@ def test_sliding_window_is_clipped_on_both_sides():
             CacheGroup(0, GroupKind.ATTENTION, 8, 16),
             CacheGroup(1, GroupKind.SLIDING_WINDOW, 8, 16, sliding_window=12),
         ]
-        tensors = [attention_tensor(arena, "full", groups[0], 4),
-                   attention_tensor(arena, "local", groups[1], 4)]  # fmt: skip
+        tensors = [
+            attention_tensor(arena, "full", groups[0], 4),
+            attention_tensor(arena, "local", groups[1], 4),
+        ]
         return Layout(LayoutSpec(groups, tensors))
 
     pa, da = Arena(), Arena(next=1 << 20)
     p, d = layout(pa), layout(da)
     # ceil(12/8)+1 = 3 blocks kept of 6 on P and of 5 on D
     plan = check_plan(
-        pa, p, da, d,
+        pa,
+        p,
+        da,
+        d,
         {0: [1, 2, 3, 4, 5, 6], 1: [1, 2, 3, 4, 5, 6]},
         {0: [9, 10, 11, 12, 13, 14], 1: [0, 10, 11, 12, 13]},
-    )  # fmt: skip
+    )
     assert plan.groups[1].blocks == 3
 
 
@@ -241,9 +246,10 @@ def test_merge_descriptors_finds_runs_in_any_order():
     assert s.tolist() == [0, 500] and d.tolist() == [1000, 9000] and n.tolist() == [400, 100]
     # adjacent on one side only: no merge
     s, d, n = merge_descriptors(
-        np.array([0, 100], dtype=np.uint64), np.array([0, 500], dtype=np.uint64),
+        np.array([0, 100], dtype=np.uint64),
+        np.array([0, 500], dtype=np.uint64),
         np.array([100, 100], dtype=np.uint64),
-    )  # fmt: skip
+    )
     assert len(s) == 2
 
 
@@ -256,10 +262,18 @@ def test_hybrid_with_storage_shared_across_groups_matches_reference(seed, kernel
     from kvbridge.workloads.shapes import ModelShape, layout_spec
 
     shape = ModelShape(
-        name="small-hybrid", source="test", num_layers=8, num_kv_heads=1, head_dim=8,
-        full_attention_interval=4, linear_num_key_heads=1, linear_num_value_heads=1,
-        linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=2,
-    )  # fmt: skip
+        name="small-hybrid",
+        source="test",
+        num_layers=8,
+        num_kv_heads=1,
+        head_dim=8,
+        full_attention_interval=4,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        linear_key_head_dim=4,
+        linear_value_head_dim=4,
+        linear_conv_kernel_dim=2,
+    )
     pa, da = Arena(), Arena(next=1 << 20)
     p = Layout(layout_spec(shape, 40, pa.allocate, block_size=8, kernel_block_size=kernel))
     d = Layout(layout_spec(shape, 40, da.allocate, block_size=8, kernel_block_size=kernel))

@@ -83,12 +83,15 @@ def kernels(groups, choice) -> list[int]:
 def build(groups, choice, arena: Arena) -> Layout:
     cache_groups = [
         CacheGroup(
-            g["index"], g["kind"], g["block"], choice["num_blocks"],
+            g["index"],
+            g["kind"],
+            g["block"],
+            choice["num_blocks"],
             kernel_block_size=k if g["kind"].paged else None,
             sliding_window=g["window"] if g["kind"] is GroupKind.SLIDING_WINDOW else None,
         )
         for g, k in zip(groups, kernels(groups, choice), strict=True)
-    ]  # fmt: skip
+    ]
     tensors = []
     for g, cg, kv, mixed in zip(
         groups, cache_groups, choice["kv_layouts"], choice["interleave"], strict=True

@@ -204,9 +204,11 @@ def test_two_distributions_declaring_one_name_are_refused_naming_both(
     third_party, tmp_path_factory, monkeypatch
 ):
     other = _distribution(
-        tmp_path_factory.mktemp("other"), "other-transport", "2.0",
+        tmp_path_factory.mktemp("other"),
+        "other-transport",
+        "2.0",
         "[kvbridge.transports]\nmemmove = other_transport:Memmove\n",
-    )  # fmt: skip
+    )
     monkeypatch.syspath_prepend(str(other))
     with pytest.raises(TransportConflictError) as err:
         kvbridge.load_transport("memmove")

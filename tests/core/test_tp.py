@@ -106,8 +106,11 @@ def check_pair(
         # push: P rank q plans its writes to this D rank alone, to the same descriptors
         pushed = plan_tp_pair(p_layouts[q], d_layout, p_ids, d_ids)
         assert pushed is not None
-        for a, b in zip((pushed.src, pushed.dst, pushed.lengths),
-                        (plan.src, plan.dst, plan.lengths), strict=True):  # fmt: skip
+        for a, b in zip(
+            (pushed.src, pushed.dst, pushed.lengths),
+            (plan.src, plan.dst, plan.lengths),
+            strict=True,
+        ):
             np.testing.assert_array_equal(a, b)
     # every byte D needs is the reference's, and no other byte of D changed
     np.testing.assert_array_equal(d_mem, expected)
@@ -117,9 +120,11 @@ def check_pair(
         # equal TP, identical shards: exactly today's plan, from the same rank
         assert set(plans) == {d_rank}
         today = plan_transfers(p_layouts[d_rank], d_layout, p_ids, d_ids)
-        for a, b in zip((today.src, today.dst, today.lengths),
-                        (plans[d_rank].src, plans[d_rank].dst, plans[d_rank].lengths),
-                        strict=True):  # fmt: skip
+        for a, b in zip(
+            (today.src, today.dst, today.lengths),
+            (plans[d_rank].src, plans[d_rank].dst, plans[d_rank].lengths),
+            strict=True,
+        ):
             np.testing.assert_array_equal(a, b)
     return got, want
 
@@ -197,8 +202,11 @@ def test_padded_heads(tps, kv_layout) -> None:
 def test_attention_shards_follow_vllm() -> None:
     # K >= T: contiguous slices
     assert [(s.start, s.count) for r in range(4) for s in attention_shards(8, r, 4, 10)] == [
-        (0, 2), (2, 2), (4, 2), (6, 2)
-    ]  # fmt: skip
+        (0, 2),
+        (2, 2),
+        (4, 2),
+        (6, 2),
+    ]
     # K < T: head r // (T/K), replicas T/K
     shards = [attention_shards(2, r, 8, 10)[0] for r in range(8)]
     assert [s.start for s in shards] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -222,8 +230,9 @@ def test_gdn_conv_shards_sub_projections() -> None:
 
 def _one_layer(shards, tp_rank, tp_size, block_bytes, kernel=2, token_major=False) -> Layout:
     g = CacheGroup(0, GroupKind.ATTENTION, 4, 4, kernel)
-    t = CacheTensor("l0", 0, 4096, 4 * block_bytes, block_bytes, token_major=token_major,
-                    shards=shards)  # fmt: skip
+    t = CacheTensor(
+        "l0", 0, 4096, 4 * block_bytes, block_bytes, token_major=token_major, shards=shards
+    )
     return Layout(LayoutSpec([g], [t], tp_rank=tp_rank, tp_size=tp_size))
 
 
@@ -233,14 +242,18 @@ def test_interleaved_heads_are_refused() -> None:
         heads = 4 // tp
         return _one_layer(
             [Shard("kv_heads", rank * heads, heads, 2, rows=4, row_stride=heads * 2)],
-            rank, tp, 4 * heads * 2, token_major=True,
-        )  # fmt: skip
+            rank,
+            tp,
+            4 * heads * 2,
+            token_major=True,
+        )
 
     with pytest.raises(LayoutError, match=r"head-major KV cache layout.*LBHNC or LHBNC"):
         plan_tp_transfers([token_major(0, 1)], token_major(1, 2), {0: [1]}, {0: [2]})
     # equal TP sizes: the same rank's whole blocks move as today
-    plans = plan_tp_transfers([token_major(0, 2), token_major(1, 2)], token_major(1, 2),
-                              {0: [1]}, {0: [2]})  # fmt: skip
+    plans = plan_tp_transfers(
+        [token_major(0, 2), token_major(1, 2)], token_major(1, 2), {0: [1]}, {0: [2]}
+    )
     assert list(plans) == [1]
 
 
@@ -258,8 +271,10 @@ def test_units_no_source_rank_holds_are_named() -> None:
 def test_mismatched_unit_bytes_are_refused() -> None:
     p = build_rank(TPModel("gdn", head_bytes=2), 0, 1, 2, Arena())
     d = build_rank(TPModel("gdn", head_bytes=4), 0, 2, 2, Arena())
-    with pytest.raises(LayoutMismatchError, match="'kv_heads': source unit_bytes=8 rows=1, "
-                       "destination unit_bytes=16"):  # fmt: skip
+    with pytest.raises(
+        LayoutMismatchError,
+        match="'kv_heads': source unit_bytes=8 rows=1, destination unit_bytes=16",
+    ):
         plan_tp_transfers([p], d, {0: [1]}, {0: [2]})
     # the handshake check names it too, and accepts the right pair despite the TP sizes
     with pytest.raises(LayoutMismatchError, match="shards"):
@@ -298,10 +313,16 @@ def test_read_twice_is_refused() -> None:
     m = TPModel("attention", kv_heads=2)
     p0 = build_rank(m, 0, 2, 2, Arena())
     t = p0.spec.tensors[0]
-    p1 = Layout(msgspec.structs.replace(p0.spec, tp_rank=1, tensors=[
-        msgspec.structs.replace(t, shards=[msgspec.structs.replace(t.shards[0], start=0)])
-        for t in p0.spec.tensors
-    ]))  # fmt: skip
+    p1 = Layout(
+        msgspec.structs.replace(
+            p0.spec,
+            tp_rank=1,
+            tensors=[
+                msgspec.structs.replace(t, shards=[msgspec.structs.replace(t.shards[0], start=0)])
+                for t in p0.spec.tensors
+            ],
+        )
+    )
     d = build_rank(m, 0, 1, 2, Arena())
     with pytest.raises(
         LayoutMismatchError,
@@ -314,8 +335,9 @@ def test_read_twice_is_refused() -> None:
 def test_invalid_shards_are_refused() -> None:
     bad = [Shard("kv_heads", 0, 2, 40)]  # 80 bytes of a 64-byte block
     with pytest.raises(LayoutError, match="reach byte 80 of a block of 64"):
-        plan_tp_transfers([_one_layer(bad, 0, 1, 64)], _one_layer(bad, 0, 2, 64), {0: [1]},
-                          {0: [2]})  # fmt: skip
+        plan_tp_transfers(
+            [_one_layer(bad, 0, 1, 64)], _one_layer(bad, 0, 2, 64), {0: [1]}, {0: [2]}
+        )
 
 
 def test_shards_in_json() -> None:

@@ -42,19 +42,42 @@ def _attention(m: TPModel, arena: Arena, name: str, g: CacheGroup, rank: int, tp
         stride = (part + m.pad) * ratio
         addr = arena.allocate(2 * blocks * stride)
         return CacheTensor(
-            name, g.index, addr, stride, part * ratio, KVLayout.K_FIRST,
-            v_addr=addr + blocks * stride, token_major=False, shards=shards,
-        )  # fmt: skip
+            name,
+            g.index,
+            addr,
+            stride,
+            part * ratio,
+            KVLayout.K_FIRST,
+            v_addr=addr + blocks * stride,
+            token_major=False,
+            shards=shards,
+        )
     stride = (2 * part + m.pad) * ratio
     addr = arena.allocate(blocks * stride)
     if m.kv_layout is KVLayout.WHOLE:  # [K heads | V heads] moved as one part: an axis each
         k_heads, v_heads = (
-            attention_shards(m.kv_heads, rank, tp, head, axis=axis, offset=at,
-                             token_major=m.units_token_major, head_stride=head_stride)
+            attention_shards(
+                m.kv_heads,
+                rank,
+                tp,
+                head,
+                axis=axis,
+                offset=at,
+                token_major=m.units_token_major,
+                head_stride=head_stride,
+            )
             for axis, at in (("k_heads", 0), ("v_heads", part * ratio))
-        )  # fmt: skip
-        return CacheTensor(name, g.index, addr, stride, 2 * part * ratio, KVLayout.WHOLE,
-                           token_major=False, shards=k_heads + v_heads)  # fmt: skip
+        )
+        return CacheTensor(
+            name,
+            g.index,
+            addr,
+            stride,
+            2 * part * ratio,
+            KVLayout.WHOLE,
+            token_major=False,
+            shards=k_heads + v_heads,
+        )
     return CacheTensor(name, g.index, addr, stride, part * ratio, token_major=False, shards=shards)
 
 
@@ -73,8 +96,16 @@ def build_rank(
                 stride = (g.kernel_size * m.latent_bytes + m.pad) * ratio
                 addr = arena.allocate(blocks * stride)
                 per_block = m.block * m.latent_bytes
-                tensors.append(CacheTensor(name, g.index, addr, stride, per_block,
-                                           shards=mla_shards(per_block, rank, tp)))  # fmt: skip
+                tensors.append(
+                    CacheTensor(
+                        name,
+                        g.index,
+                        addr,
+                        stride,
+                        per_block,
+                        shards=mla_shards(per_block, rank, tp),
+                    )
+                )
             elif g.kind is GroupKind.STATE:
                 conv = conv_bytes(m, tp)
                 ssm = m.v_heads // tp * m.ssm_head_bytes
@@ -86,11 +117,29 @@ def build_rank(
                 )
                 ssm_shards = gdn_ssm_shards(m.v_heads, rank, tp, m.ssm_head_bytes)
                 tensors += [
-                    CacheTensor(name, g.index, base, page, conv, tensor="conv",
-                                alloc_addr=base, alloc_size=size, shards=conv_shards),
-                    CacheTensor(name, g.index, base + conv, page, ssm, tensor="ssm",
-                                alloc_addr=base, alloc_size=size, shards=ssm_shards),
-                ]  # fmt: skip
+                    CacheTensor(
+                        name,
+                        g.index,
+                        base,
+                        page,
+                        conv,
+                        tensor="conv",
+                        alloc_addr=base,
+                        alloc_size=size,
+                        shards=conv_shards,
+                    ),
+                    CacheTensor(
+                        name,
+                        g.index,
+                        base + conv,
+                        page,
+                        ssm,
+                        tensor="ssm",
+                        alloc_addr=base,
+                        alloc_size=size,
+                        shards=ssm_shards,
+                    ),
+                ]
             else:
                 tensors.append(_attention(m, arena, name, g, rank, tp, blocks))
     return Layout(LayoutSpec(groups, tensors, tp_rank=rank, tp_size=tp))

@@ -180,8 +180,11 @@ def reference_tp(
                                 )
                                 out.setdefault(q, []).append((s, d, model.head_bytes))
             elif dt.tensor == "conv":
-                for sub, total in (("q", model.key_dim), ("k", model.key_dim),
-                                   ("v", model.value_dim)):  # fmt: skip
+                for sub, total in (
+                    ("q", model.key_dim),
+                    ("k", model.key_dim),
+                    ("v", model.value_dim),
+                ):
                     n_p, n_d = total // tp_p, total // tp_d
                     for g in range(rank * n_d, (rank + 1) * n_d):
                         q = g // n_p

@@ -81,8 +81,12 @@ class Pool:
         return out
 
     def give_back(self, ids: dict[int, list[int]], front: bool) -> None:
-        real = [b for index, group in sorted(self.layout.groups.items())
-                for b in ids[index] if b != group.null_block_id]  # fmt: skip
+        real = [
+            b
+            for index, group in sorted(self.layout.groups.items())
+            for b in ids[index]
+            if b != group.null_block_id
+        ]
         self.free = real + self.free if front else self.free + real
 
 
@@ -101,8 +105,18 @@ class Tally:
 
 
 def _reason_kind(reason: str) -> str:
-    for key in ("refused", "prefill is gone", "no write", "did not answer", "did not finish",
-                "not held here", "aborted", "already taken", "could not push", "lease"):  # fmt: skip
+    for key in (
+        "refused",
+        "prefill is gone",
+        "no write",
+        "did not answer",
+        "did not finish",
+        "not held here",
+        "aborted",
+        "already taken",
+        "could not push",
+        "lease",
+    ):
         if key in reason:
             return key
     return reason[:60]
@@ -115,19 +129,32 @@ class Soak:
         self.tally = Tally()
         self.p_count = 0
         self.p = self._start_p()
-        self.d = EngineProcess.start(root, f"{transport}-decode", transport=transport,
-                                     seed=seed + 1, timeout=TIMEOUT, lease=LEASE,
-                                     handshake_timeout=TIMEOUT, num_blocks=BLOCKS)  # fmt: skip
+        self.d = EngineProcess.start(
+            root,
+            f"{transport}-decode",
+            transport=transport,
+            seed=seed + 1,
+            timeout=TIMEOUT,
+            lease=LEASE,
+            handshake_timeout=TIMEOUT,
+            num_blocks=BLOCKS,
+        )
         self.pool = Pool(self.d.layout, seed)
         self.p_alloc = Pool(self.p.layout, seed + 2)
         self.loaded: dict[str, tuple[dict, dict, dict]] = {}  # rid -> (P config, P ids, D ids)
 
     def _start_p(self) -> EngineProcess:
         self.p_count += 1
-        return EngineProcess.start(self.root, f"{self.transport}-prefill-{self.p_count}",
-                                   transport=self.transport, seed=7, timeout=TIMEOUT,
-                                   lease=LEASE, handshake_timeout=TIMEOUT,
-                                   num_blocks=BLOCKS)  # fmt: skip
+        return EngineProcess.start(
+            self.root,
+            f"{self.transport}-prefill-{self.p_count}",
+            transport=self.transport,
+            seed=7,
+            timeout=TIMEOUT,
+            lease=LEASE,
+            handshake_timeout=TIMEOUT,
+            num_blocks=BLOCKS,
+        )
 
     def wave(self, n: int, fault: str) -> None:
         self.tally.faults[fault] += 1
@@ -144,8 +171,14 @@ class Soak:
             tokens = self.rng.randrange(20, 900)
             try:
                 ids = self.p_alloc.take(_shape(self.p.layout, tokens))
-                pr = self.p.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=tokens,
-                                 mode=mode, timeout=3 * TIMEOUT + 10)  # fmt: skip
+                pr = self.p.call(
+                    cmd="publish",
+                    request_id=rid,
+                    block_ids=ids,
+                    num_tokens=tokens,
+                    mode=mode,
+                    timeout=3 * TIMEOUT + 10,
+                )
             except Exception as err:  # P frozen or dead right now: this request never starts
                 self.p_alloc.give_back(ids, front=True)
                 self.tally.failed += 1
@@ -186,8 +219,9 @@ class Soak:
             self.tally.over_bound += elapsed > bound
             if out["ok"]:
                 self.tally.ok += 1
-                check = self.d.call(cmd="check", source=self.p.config, p_ids=p_ids[rid],
-                                    d_ids=d_ids[rid])  # fmt: skip
+                check = self.d.call(
+                    cmd="check", source=self.p.config, p_ids=p_ids[rid], d_ids=d_ids[rid]
+                )
                 if not check["ok"]:
                     self.tally.wrong_bytes += 1
                     self.log(f"WRONG BYTES in {rid}: {check}")
@@ -247,9 +281,12 @@ class Soak:
         """The first request's messages again, late, and a PushDone forged by another engine."""
         time.sleep(self.rng.uniform(0.0, 0.3))
         rid = params["request_id"]
-        msgs = [(params["endpoint"], Release(rid, True)), (params["endpoint"], Abort(rid, "dup")),
-                (params["endpoint"], PushRequest(rid, {int(k): v for k, v in d_ids.items()})),
-                (self.d.info["endpoint"], PushDone(rid, True))]  # fmt: skip
+        msgs = [
+            (params["endpoint"], Release(rid, True)),
+            (params["endpoint"], Abort(rid, "dup")),
+            (params["endpoint"], PushRequest(rid, {int(k): v for k, v in d_ids.items()})),
+            (self.d.info["endpoint"], PushDone(rid, True)),
+        ]
         for endpoint, msg in msgs:
             client = PeerClient(endpoint, "soak-duplicator", timeout=TIMEOUT)
             try:
@@ -338,14 +375,19 @@ def run(transports: list[str], requests: int, hogs: int, seed: int, log: Any = p
                 t = soak.tally
                 times = np.asarray(t.times)
                 results[transport] = {
-                    "requests": t.requests, "ok": t.ok, "failed": t.failed,
-                    "faults": dict(t.faults), "wrong_bytes": t.wrong_bytes,
-                    "late_changes": t.late_changes, "leaks": t.leaks,
-                    "over_bound": t.over_bound, "reasons": dict(t.reasons),
+                    "requests": t.requests,
+                    "ok": t.ok,
+                    "failed": t.failed,
+                    "faults": dict(t.faults),
+                    "wrong_bytes": t.wrong_bytes,
+                    "late_changes": t.late_changes,
+                    "leaks": t.leaks,
+                    "over_bound": t.over_bound,
+                    "reasons": dict(t.reasons),
                     "p50_s": round(float(np.percentile(times, 50)), 3) if times.size else None,
                     "p99_s": round(float(np.percentile(times, 99)), 3) if times.size else None,
                     "max_s": round(float(times.max()), 3) if times.size else None,
-                }  # fmt: skip
+                }
                 log(f"{transport}: {json.dumps(results[transport])}")
     finally:
         for h in hog_procs:

@@ -73,9 +73,15 @@ class VllmSoak:
     """One P/D pair of vLLM engines and the waves sent through it."""
 
     def __init__(
-        self, ref: Reference, transport: str, root: Path, seed: int, port: int,
-        log: Callable[[str], None], unfenced: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        ref: Reference,
+        transport: str,
+        root: Path,
+        seed: int,
+        port: int,
+        log: Callable[[str], None],
+        unfenced: bool = False,
+    ) -> None:
         self.ref = ref
         self.transport = transport
         self.root = root
@@ -193,10 +199,17 @@ class VllmSoak:
 
 
 def run(
-    ref: Reference, transport: str, requests: int, hogs: int, seed: int, port: int = 6100,
-    log: Callable[[str], None] = print, kinds: tuple[str, ...] = FAULTS, unfenced: bool = False,
+    ref: Reference,
+    transport: str,
+    requests: int,
+    hogs: int,
+    seed: int,
+    port: int = 6100,
+    log: Callable[[str], None] = print,
+    kinds: tuple[str, ...] = FAULTS,
+    unfenced: bool = False,
     minutes: float | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The soak on one transport; returns its row (see ``problems`` for what must hold).
 
     ``kinds``: the faults to cycle through; ``unfenced``: late writes skip the fence (the check
@@ -233,30 +246,41 @@ def run(
         fired = fault_kit.fired(root)
     times = sorted(t.times) or [0.0]
     return {
-        "transport": transport, "requests": t.requests, "exact": t.exact,
-        "mismatches": t.mismatches, "lost_with_d": t.lost_with_d,
-        "faults": dict(t.faults), "restarts": dict(t.restarts),
-        "d_loaded": sum(o["ok"] for o in d_out), "d_failed": sum(not o["ok"] for o in d_out),
+        "transport": transport,
+        "requests": t.requests,
+        "exact": t.exact,
+        "mismatches": t.mismatches,
+        "lost_with_d": t.lost_with_d,
+        "faults": dict(t.faults),
+        "restarts": dict(t.restarts),
+        "d_loaded": sum(o["ok"] for o in d_out),
+        "d_failed": sum(not o["ok"] for o in d_out),
         "verify_failed": sum(o["verify_failed"] for o in d_out),
-        "late_armed": t.late_armed, "late_landed": len(fired),
+        "late_armed": t.late_armed,
+        "late_landed": len(fired),
         "max_fence_s": max((o["fence_s"] for o in seen), default=0.0),
-        "over_bound": t.over_bound, "kv_usage_end": usage,
-        "p50_s": times[len(times) // 2], "p99_s": times[min(len(times) - 1, int(len(times) * 0.99))],
-        "max_s": times[-1], "wall_s": time.perf_counter() - start,
+        "over_bound": t.over_bound,
+        "kv_usage_end": usage,
+        "p50_s": times[len(times) // 2],
+        "p99_s": times[min(len(times) - 1, int(len(times) * 0.99))],
+        "max_s": times[-1],
+        "wall_s": time.perf_counter() - start,
         "stopped_early": t.requests < requests,
         "max_transfer_s": max((o["transfer_s"] for o in d_out), default=0.0),
         "max_handshake_s": max((o["handshake_s"] for o in d_out), default=0.0),
         # Loads whose transfer or handshake took over a second: stalls, or a frozen peer.
         "slow": [o for o in seen if max(o["transfer_s"], o["handshake_s"]) > 1.0],
-    }  # fmt: skip
+    }
 
 
 def problems(row: dict[str, Any]) -> list[str]:
     """What went wrong in a soak's row (empty: nothing)."""
     out = []
     if row["mismatches"]:
-        out.append(f"{len(row['mismatches'])} answers differ from the single instance: "
-                   f"{row['mismatches'][:3]}")  # fmt: skip
+        out.append(
+            f"{len(row['mismatches'])} answers differ from the single instance: "
+            f"{row['mismatches'][:3]}"
+        )
     if row["over_bound"]:
         out.append(f"{row['over_bound']} requests ended after their {BOUND:g} s bound")
     if row["late_landed"] != row["late_armed"]:
@@ -287,8 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-soak-model-") as tmp:
         ref = build_reference(CASES["llama"], Path(tmp))
-        row = run(ref, a.transport, a.requests, a.hogs, a.seed, kinds=tuple(a.faults.split(",")),
-                  unfenced=a.unfenced, minutes=a.minutes)  # fmt: skip
+        row = run(
+            ref,
+            a.transport,
+            a.requests,
+            a.hogs,
+            a.seed,
+            kinds=tuple(a.faults.split(",")),
+            unfenced=a.unfenced,
+            minutes=a.minutes,
+        )
     print(json.dumps(row, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(row, indent=1))

@@ -53,8 +53,13 @@ def test_read_and_write_move_exactly_the_described_bytes(pair):
     a, b = pair
     want_a, want_b = a.buf.copy(), b.buf.copy()
     # READ: b's [100, 1100) and [5000, 5010) into a's [0, 1000) and [20000, 20010)
-    a.t.transfer(TransferOp.READ, "b", _u64(a.addr, a.addr + 20000),
-                 _u64(b.addr + 100, b.addr + 5000), _u64(1000, 10))  # fmt: skip
+    a.t.transfer(
+        TransferOp.READ,
+        "b",
+        _u64(a.addr, a.addr + 20000),
+        _u64(b.addr + 100, b.addr + 5000),
+        _u64(1000, 10),
+    )
     want_a[0:1000], want_a[20000:20010] = want_b[100:1100], want_b[5000:5010]
     assert np.array_equal(a.buf, want_a) and np.array_equal(b.buf, want_b)
     # WRITE: a's last 4 KiB to b's first 4 KiB
@@ -112,9 +117,12 @@ def test_the_fault_hook_fails_its_chunk_as_an_engine_failure():
         want_a = a.buf.copy()
         offsets = [0, 1000, 2000, 3000, 4000]  # 5 descriptors: chunks of 2, 2 and 1
         handle = a.t.submit(
-            TransferOp.READ, "b", _u64(*(a.addr + o for o in offsets)),
-            _u64(*(b.addr + o for o in offsets)), _u64(*[100] * 5),
-        )  # fmt: skip
+            TransferOp.READ,
+            "b",
+            _u64(*(a.addr + o for o in offsets)),
+            _u64(*(b.addr + o for o in offsets)),
+            _u64(*[100] * 5),
+        )
         assert seen == [("read", 0, 2), ("read", 1, 2), ("read", 2, 1)]
         with pytest.raises(TransferError) as err:
             a.t.wait(handle)

@@ -214,8 +214,11 @@ def _env_overrides(values: dict[str, Any], environ: Mapping[str, str]) -> None:
         if name in values and values[name] != value:
             log.info(
                 "kvbridge: option %s=%r from %s instead of kv_connector_extra_config's %r",
-                name, value, variable, values[name],
-            )  # fmt: skip
+                name,
+                value,
+                variable,
+                values[name],
+            )
         values[name] = value
 
 
@@ -528,9 +531,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             total_heads = int(model.get_total_num_kv_heads())
         self._kv_caches = kv_caches
         spec = build_layout_spec(
-            self._kv_cache_config, kv_caches, split=split, tp_rank=tp_rank, tp_size=tp_size,
-            engine_layout=engine_layout, total_num_kv_heads=total_heads,
-        )  # fmt: skip
+            self._kv_cache_config,
+            kv_caches,
+            split=split,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            engine_layout=engine_layout,
+            total_num_kv_heads=total_heads,
+        )
         transport_cls = load_transport_class(self.options.transport)
         options = self.options.transport_timed()
         if transport_cls.host_option is not None:
@@ -542,20 +550,32 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         from kvbridge.control.plane import ControlPlane
 
         self.plane = ControlPlane(
-            Layout(spec), transport, engine_id=rank_engine_id(self.engine_id, tp_rank, tp_size),
+            Layout(spec),
+            transport,
+            engine_id=rank_engine_id(self.engine_id, tp_rank, tp_size),
             host=self.options.host,
-            port=self.options.port + tp_rank, secret=self.options.secret,
-            timeout=self.options.timeout, lease=self.options.lease, verify=self.options.verify,
-        )  # fmt: skip
-        log.info("kvbridge: %s (TP rank %d of %d) registered, side channel %s",
-                 self.plane.engine_id, tp_rank, tp_size, self.plane.endpoint)  # fmt: skip
+            port=self.options.port + tp_rank,
+            secret=self.options.secret,
+            timeout=self.options.timeout,
+            lease=self.options.lease,
+            verify=self.options.verify,
+        )
+        log.info(
+            "kvbridge: %s (TP rank %d of %d) registered, side channel %s",
+            self.plane.engine_id,
+            tp_rank,
+            tp_size,
+            self.plane.endpoint,
+        )
         peers = self.options.prefill_peers
         ktc = self._vllm_config.kv_transfer_config
         if peers and ktc is not None and ktc.is_kv_consumer:
             self.plane.connect_early(peers)
         elif peers:
-            log.warning("kvbridge: option prefill_peers is for decode instances; a %s ignores it",
-                        getattr(ktc, "kv_role", "producer"))  # fmt: skip
+            log.warning(
+                "kvbridge: option prefill_peers is for decode instances; a %s ignores it",
+                getattr(ktc, "kv_role", "producer"),
+            )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata

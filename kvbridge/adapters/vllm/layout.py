@@ -190,21 +190,29 @@ def _paged_tensors(
             # outermost ([N, H, C]): a head is one cell in each of the N rows (per kernel block).
             rows = tokens if "H" in order and order.startswith("N") else 1
             shards = attention_shards(
-                total_kv_heads, tp_rank, tp_size,
+                total_kv_heads,
+                tp_rank,
+                tp_size,
                 cell * ratio if rows > 1 else head_bytes,
                 token_major=token_split and rows == 1,
-            )  # fmt: skip
+            )
             if rows > 1:
                 shards = [
                     msgspec.structs.replace(s, rows=rows, row_stride=s_token * ratio)
                     for s in shards
                 ]
         tensor = CacheTensor(
-            layer, group.index, base, s_block * ratio, block_bytes * ratio,
-            kv_layout=KVLayout.WHOLE, alloc_addr=alloc_addr, alloc_size=alloc_size,
+            layer,
+            group.index,
+            base,
+            s_block * ratio,
+            block_bytes * ratio,
+            kv_layout=KVLayout.WHOLE,
+            alloc_addr=alloc_addr,
+            alloc_size=alloc_size,
             token_major=token_split and tokens_first,
             shards=msgspec.UNSET if shards is None else shards,
-        )  # fmt: skip
+        )
         return [tensor], f"[{','.join(order)}] {split}"
     if s_token == cell or tokens == 1:
         # One tensor per head, named by its global head: a count-1 shard each.
@@ -224,12 +232,20 @@ def _paged_tensors(
             ]
         head_tensors = [
             CacheTensor(
-                layer, group.index, base + h * s_head, s_block * ratio, head_bytes,
-                kv_layout=KVLayout.WHOLE, tensor=name, alloc_addr=alloc_addr,
-                alloc_size=alloc_size, token_major=token_split, shards=head_shards,
+                layer,
+                group.index,
+                base + h * s_head,
+                s_block * ratio,
+                head_bytes,
+                kv_layout=KVLayout.WHOLE,
+                tensor=name,
+                alloc_addr=alloc_addr,
+                alloc_size=alloc_size,
+                token_major=token_split,
+                shards=head_shards,
             )
             for h, (name, head_shards) in enumerate(per_head)
-        ]  # fmt: skip
+        ]
         return head_tensors, f"per head [N,C] {split}"
     raise LayoutError(
         f"layer {layer!r}: neither a kernel block nor a head's slice of it is one dense run "
@@ -262,10 +278,16 @@ def _aliased_layer(by_group: dict[int, list[list[CacheTensor]]], num_blocks: int
     """
     # Per layer, once: its group, name, whether it spreads, its extent, where its blocks lie.
     layers = [
-        (g, tensors[0].layer_name, _spans_beyond_stride(tensors), _extent(tensors, num_blocks),
-         sorted((t.addr, t.block_stride, t.block_bytes) for t in tensors))
-        for g, per_layer in by_group.items() for tensors in per_layer
-    ]  # fmt: skip
+        (
+            g,
+            tensors[0].layer_name,
+            _spans_beyond_stride(tensors),
+            _extent(tensors, num_blocks),
+            sorted((t.addr, t.block_stride, t.block_bytes) for t in tensors),
+        )
+        for g, per_layer in by_group.items()
+        for tensors in per_layer
+    ]
     for i, (g, a_name, a_wide, (a0, a1), a_blocks) in enumerate(layers):
         for h, b_name, b_wide, (b0, b1), b_blocks in layers[i + 1 :]:
             if g != h and (a_wide or b_wide) and a0 < b1 and b0 < a1 and a_blocks != b_blocks:
@@ -324,11 +346,16 @@ def _state_shards(
     ssm_bytes = torch.empty((), dtype=spec.dtypes[1]).element_size()
     return [
         gdn_conv_shards(
-            key2 // 2 * tp_size, v_heads * v_dim * tp_size, state_len, conv_bytes,
-            tp_rank, tp_size, conv_layout,
+            key2 // 2 * tp_size,
+            v_heads * v_dim * tp_size,
+            state_len,
+            conv_bytes,
+            tp_rank,
+            tp_size,
+            conv_layout,
         ),
         gdn_ssm_shards(v_heads * tp_size, tp_rank, tp_size, v_dim * k_dim * ssm_bytes),
-    ]  # fmt: skip
+    ]
 
 
 def _state_tensors(
@@ -366,10 +393,17 @@ def _state_tensors(
     for name, size, state_shards in zip(state_tensor_names(len(sizes)), sizes, shards, strict=True):
         tensors.append(
             CacheTensor(
-                layer, group.index, int(view.data_ptr()) + offset, page_stride, size, tensor=name,
-                alloc_addr=alloc_addr, alloc_size=alloc_size, shards=state_shards,
+                layer,
+                group.index,
+                int(view.data_ptr()) + offset,
+                page_stride,
+                size,
+                tensor=name,
+                alloc_addr=alloc_addr,
+                alloc_size=alloc_size,
+                shards=state_shards,
             )
-        )  # fmt: skip
+        )
         offset += size
     return tensors
 
@@ -489,6 +523,11 @@ def build_layout_spec(
     # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
     dtype = next(iter(paged_dtypes or dtypes), "bfloat16")
     return LayoutSpec(
-        groups=groups, tensors=tensors, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
-        block_format="; ".join(sorted(formats)), engine_layout=engine_layout or "",
-    )  # fmt: skip
+        groups=groups,
+        tensors=tensors,
+        dtype=dtype,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        block_format="; ".join(sorted(formats)),
+        engine_layout=engine_layout or "",
+    )

@@ -45,52 +45,98 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # (data key, per-engine histogram); handshake_s of 0 (a known peer) is not observed.
         self._histograms: list[tuple[str, dict[int, Any]]] = [
-            ("transfer_s", self._histogram(
-                "vllm:kvbridge_transfer_time_seconds",
-                "Duration of kvbridge KV cache transfers that succeeded (D: its read in pull "
-                "mode; P and D: P's write in push mode).", TIME_BUCKETS)),
-            ("nbytes", self._histogram(
-                "vllm:kvbridge_transfer_bytes",
-                "Bytes moved per successful kvbridge KV cache transfer.", BYTES_BUCKETS)),
-            ("descriptors", self._histogram(
-                "vllm:kvbridge_transfer_descriptors",
-                "Descriptors per successful kvbridge KV cache transfer, after merging "
-                "adjacent ones.", DESCRIPTOR_BUCKETS)),
-            ("handshake_s", self._histogram(
-                "vllm:kvbridge_handshake_time_seconds",
-                "Time successful transfers spent on the handshake with their peer (a new or "
-                "restarted peer's handshake, or waiting for one in progress); transfers to a "
-                "known peer spend none and are not observed.", TIME_BUCKETS)),
-            ("fence_s", self._histogram(
-                "vllm:kvbridge_fence_time_seconds",
-                "Time failed loads waited, after giving up, until no byte of them could still "
-                "land in the decode instance's blocks.", TIME_BUCKETS)),
-        ]  # fmt: skip
+            (
+                "transfer_s",
+                self._histogram(
+                    "vllm:kvbridge_transfer_time_seconds",
+                    "Duration of kvbridge KV cache transfers that succeeded (D: its read in pull "
+                    "mode; P and D: P's write in push mode).",
+                    TIME_BUCKETS,
+                ),
+            ),
+            (
+                "nbytes",
+                self._histogram(
+                    "vllm:kvbridge_transfer_bytes",
+                    "Bytes moved per successful kvbridge KV cache transfer.",
+                    BYTES_BUCKETS,
+                ),
+            ),
+            (
+                "descriptors",
+                self._histogram(
+                    "vllm:kvbridge_transfer_descriptors",
+                    "Descriptors per successful kvbridge KV cache transfer, after merging "
+                    "adjacent ones.",
+                    DESCRIPTOR_BUCKETS,
+                ),
+            ),
+            (
+                "handshake_s",
+                self._histogram(
+                    "vllm:kvbridge_handshake_time_seconds",
+                    "Time successful transfers spent on the handshake with their peer (a new or "
+                    "restarted peer's handshake, or waiting for one in progress); transfers to a "
+                    "known peer spend none and are not observed.",
+                    TIME_BUCKETS,
+                ),
+            ),
+            (
+                "fence_s",
+                self._histogram(
+                    "vllm:kvbridge_fence_time_seconds",
+                    "Time failed loads waited, after giving up, until no byte of them could still "
+                    "land in the decode instance's blocks.",
+                    TIME_BUCKETS,
+                ),
+            ),
+        ]
         # (data key, per-engine counter); "nbytes": one transfer per entry.
         self._counters: list[tuple[str, dict[int, Any]]] = [
-            ("nbytes", self._counter(
-                "vllm:kvbridge_transfers",
-                "Successful kvbridge KV cache transfers.")),
-            ("failed", self._counter(
-                "vllm:kvbridge_transfer_failures",
-                "Failed kvbridge KV cache loads (recomputed under "
-                "kv_load_failure_policy=recompute); counted on the decode instance.")),
-            ("lease_expired", self._counter(
-                "vllm:kvbridge_lease_expiries",
-                "Prefilled requests whose blocks the prefill instance freed because decode "
-                "did not release them within the lease; counted on the prefill instance.")),
-            ("fenced", self._counter(
-                "vllm:kvbridge_fenced",
-                "Failed loads that waited for a fence before their blocks were freed.")),
-            ("unproven", self._counter(
-                "vllm:kvbridge_unproven_fences",
-                "Failed loads held for good: the transport could not prove that no byte of "
-                "them still lands, so their blocks never go back to the engine.")),
-            ("verify_failed", self._counter(
-                "vllm:kvbridge_verify_failures",
-                "Loads whose integrity check (verify) found a difference between what prefill "
-                "sent and decode received.")),
-        ]  # fmt: skip
+            (
+                "nbytes",
+                self._counter("vllm:kvbridge_transfers", "Successful kvbridge KV cache transfers."),
+            ),
+            (
+                "failed",
+                self._counter(
+                    "vllm:kvbridge_transfer_failures",
+                    "Failed kvbridge KV cache loads (recomputed under "
+                    "kv_load_failure_policy=recompute); counted on the decode instance.",
+                ),
+            ),
+            (
+                "lease_expired",
+                self._counter(
+                    "vllm:kvbridge_lease_expiries",
+                    "Prefilled requests whose blocks the prefill instance freed because decode "
+                    "did not release them within the lease; counted on the prefill instance.",
+                ),
+            ),
+            (
+                "fenced",
+                self._counter(
+                    "vllm:kvbridge_fenced",
+                    "Failed loads that waited for a fence before their blocks were freed.",
+                ),
+            ),
+            (
+                "unproven",
+                self._counter(
+                    "vllm:kvbridge_unproven_fences",
+                    "Failed loads held for good: the transport could not prove that no byte of "
+                    "them still lands, so their blocks never go back to the engine.",
+                ),
+            ),
+            (
+                "verify_failed",
+                self._counter(
+                    "vllm:kvbridge_verify_failures",
+                    "Loads whose integrity check (verify) found a difference between what prefill "
+                    "sent and decode received.",
+                ),
+            ),
+        ]
 
     def _histogram(self, name: str, documentation: str, buckets: list[float]) -> dict[int, Any]:
         # vLLM types the classes it hands in as any of its three metric kinds.
@@ -101,8 +147,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
     def _counter(self, name: str, documentation: str) -> dict[int, Any]:
-        metric = self._counter_cls(name=name, documentation=documentation,
-                                   labelnames=self._labelnames)  # fmt: skip
+        metric = self._counter_cls(
+            name=name, documentation=documentation, labelnames=self._labelnames
+        )
         return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -107,8 +107,10 @@ FIRST_BYTE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5
 def _missing_extra(exc: ImportError) -> NoReturn:
     """Exit 2 with one line naming what cannot be imported and what to install."""
     what = (exc.name or "").split(".")[0] or "a dependency"
-    print(f"kvbridge-proxy: cannot import {what} ({exc}); it needs the proxy extra: "
-          f"{INSTALL_HINT}", file=sys.stderr)  # fmt: skip
+    print(
+        f"kvbridge-proxy: cannot import {what} ({exc}); it needs the proxy extra: {INSTALL_HINT}",
+        file=sys.stderr,
+    )
     raise SystemExit(2)
 
 
@@ -124,34 +126,41 @@ class Metrics:
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=r)
         requests = Counter(
-            "kvbridge_proxy_requests", "P/D requests by endpoint and outcome",
-            ["endpoint", "outcome"], registry=r,
-        )  # fmt: skip
+            "kvbridge_proxy_requests",
+            "P/D requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
         self._requests = {(e, o): requests.labels(e, o) for e in ENDPOINTS for o in OUTCOMES}
         duration = Histogram(
             "kvbridge_proxy_request_duration_seconds",
             "P/D requests from arrival to the response's end (a stream's last chunk)",
-            ["endpoint"], buckets=REQUEST_BUCKETS, registry=r,
-        )  # fmt: skip
+            ["endpoint"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
         self._duration = {e: duration.labels(e) for e in ENDPOINTS}
         self.prefill_duration = Histogram(
             "kvbridge_proxy_prefill_duration_seconds",
             "P's round trip, of the prefills that returned kv_transfer_params",
-            buckets=PREFILL_BUCKETS, registry=r,
-        )  # fmt: skip
+            buckets=PREFILL_BUCKETS,
+            registry=r,
+        )
         self.first_byte = Histogram(
             "kvbridge_proxy_decode_first_byte_seconds",
             "Streamed answers: from sending the request to D to D's first chunk",
-            buckets=FIRST_BYTE_BUCKETS, registry=r,
-        )  # fmt: skip
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kvbridge_proxy_requests_in_flight", "P/D requests not finished yet", registry=r
         )
         self._errors = Counter(
             "kvbridge_proxy_backend_errors",
             "Failures of P/D requests by server (role, URL) and kind",
-            ["role", "backend", "kind"], registry=r,
-        )  # fmt: skip
+            ["role", "backend", "kind"],
+            registry=r,
+        )
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
                 for kind in FAILURE_KINDS:
@@ -247,9 +256,12 @@ class Proxy:
     """Round-robin over prefill and decode servers; one shared HTTP client with timeouts."""
 
     def __init__(
-        self, prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient,
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        client: httpx.AsyncClient,
         metrics: Metrics | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode server")
         self.prefill = [u.rstrip("/") for u in prefill]
@@ -386,9 +398,14 @@ class DecodeStream:
     """D's streamed answer relayed chunk by chunk; counted and closed once, however it ends."""
 
     def __init__(
-        self, resp: httpx.Response, backend: str, metrics: Metrics, endpoint: str, t0: float,
+        self,
+        resp: httpx.Response,
+        backend: str,
+        metrics: Metrics,
+        endpoint: str,
+        t0: float,
         sent: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.resp = resp
         self.backend = backend
         self.metrics = metrics
@@ -448,9 +465,13 @@ if _MISSING is None:
 
 
 def create_app(
-    prefill: Sequence[str], decode: Sequence[str], *, timeout: float = 300.0,
-    connect_timeout: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
-) -> FastAPI:  # fmt: skip
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    timeout: float = 300.0,
+    connect_timeout: float = 10.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
     """The proxy as an ASGI app; ``timeout`` bounds each upstream read/write (s).
 
     ``transport``: httpx's, for the upstream calls (default: the network). The metrics
@@ -512,14 +533,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         _missing_extra(exc)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--prefill", action="append", required=True, metavar="URL",
-                    help="prefill server (kv_producer); repeat for several")  # fmt: skip
-    ap.add_argument("--decode", action="append", required=True, metavar="URL",
-                    help="decode server (kv_consumer); repeat for several")  # fmt: skip
+    ap.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="prefill server (kv_producer); repeat for several",
+    )
+    ap.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="decode server (kv_consumer); repeat for several",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--timeout", type=float, default=300.0,
-                    help="seconds each upstream read may take (default 300)")  # fmt: skip
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds each upstream read may take (default 300)",
+    )
     ap.add_argument("--connect-timeout", type=float, default=10.0)
     ap.add_argument("--log-level", default="info")
     a = ap.parse_args(argv)

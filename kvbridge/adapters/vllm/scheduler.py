@@ -165,8 +165,10 @@ class SchedulerState:
             "parameters (keys %s): decode prefills the whole prompt itself (%d such requests "
             "since start); route requests so that decode gets prefill's kv_transfer_params as "
             "prefill returned them (vllm-router's default nixl P/D mode does)",
-            request.request_id, sorted(params), self.foreign_params,
-        )  # fmt: skip
+            request.request_id,
+            sorted(params),
+            self.foreign_params,
+        )
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -224,9 +226,15 @@ class SchedulerState:
         num_tokens = int(request.num_computed_tokens)
         mode = _request_mode(params, self.mode, request.request_id)
         transfer = TransferParams(
-            request.request_id, self.ranks[0].engine_id, self.endpoint, ids, num_tokens,
-            self.transport, mode, self.ranks if len(self.ranks) > 1 else [],
-        )  # fmt: skip
+            request.request_id,
+            self.ranks[0].engine_id,
+            self.endpoint,
+            ids,
+            num_tokens,
+            self.transport,
+            mode,
+            self.ranks if len(self.ranks) > 1 else [],
+        )
         self._plan.publishes.append(PublishRequest(request.request_id, ids, num_tokens, mode.value))
         self.sending.add(request.request_id)
         out = {
@@ -278,8 +286,12 @@ def _request_mode(params: Mapping[str, Any], default: Mode, request_id: str) -> 
     except ValueError:
         log.error(
             "request %s: %s=%r is not one of %s; using the configured mode %r",
-            request_id, MODE_KEY, asked, [m.value for m in Mode], default.value,
-        )  # fmt: skip
+            request_id,
+            MODE_KEY,
+            asked,
+            [m.value for m in Mode],
+            default.value,
+        )
         return default
 
 

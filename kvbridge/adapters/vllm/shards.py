@@ -35,16 +35,26 @@ def attention_shards(
             raise LayoutError(f"{num_kv_heads} KV heads do not divide over {tp_size} TP ranks")
         per = num_kv_heads // tp_size
         return [
-            Shard(axis, tp_rank * per, per, head_bytes, offset, head_stride,
-                  token_major=token_major)
-        ]  # fmt: skip
+            Shard(
+                axis, tp_rank * per, per, head_bytes, offset, head_stride, token_major=token_major
+            )
+        ]
     if tp_size % num_kv_heads:
         raise LayoutError(f"{tp_size} TP ranks do not replicate {num_kv_heads} KV heads evenly")
     replicas = tp_size // num_kv_heads
     return [
-        Shard(axis, tp_rank // replicas, 1, head_bytes, offset, head_stride, replicas=replicas,
-              replica=tp_rank % replicas, token_major=token_major)
-    ]  # fmt: skip
+        Shard(
+            axis,
+            tp_rank // replicas,
+            1,
+            head_bytes,
+            offset,
+            head_stride,
+            replicas=replicas,
+            replica=tp_rank % replicas,
+            token_major=token_major,
+        )
+    ]
 
 
 def mla_shards(block_bytes: int, tp_rank: int, tp_size: int) -> list[Shard]:

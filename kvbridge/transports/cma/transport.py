@@ -226,10 +226,14 @@ class CmaTransport(Transport):
         pid = os.getpid()
         return msgspec.msgpack.encode(
             CmaMetadata(
-                self._host, self._boot_id, self._pid_namespace, pid, _start_time(pid) or 0,
+                self._host,
+                self._boot_id,
+                self._pid_namespace,
+                pid,
+                _start_time(pid) or 0,
                 str(self._published.path),
             )
-        )  # fmt: skip
+        )
 
     def _connect_engine(self, peer: str, payload: bytes, old: Any) -> _Peer:
         meta = self.decode_payload(peer, payload, CmaMetadata)

@@ -404,9 +404,12 @@ class NixlTransport(Transport):
     def _start_chunk(self, state: Any, chunk: Chunk) -> Any:
         local = self.device_of(chunk.local, chunk.lengths, "local")
         remote = device_holding(
-            state.devices, state.everything, chunk.remote, chunk.lengths,
+            state.devices,
+            state.everything,
+            chunk.remote,
+            chunk.lengths,
             f"remote (peer {chunk.handle.peer!r})",
-        )  # fmt: skip
+        )
         try:
             xfer = self._agent.initialize_xfer(
                 _OPS[chunk.op],

@@ -29,11 +29,16 @@ def _port() -> int:
 
 def _config(engine_id: str, role: str, port: int, host: str) -> SimpleNamespace:
     ktc = KVTransferConfig(
-        kv_connector="KVBridgeConnector", kv_role=role, engine_id=engine_id,
+        kv_connector="KVBridgeConnector",
+        kv_role=role,
+        engine_id=engine_id,
         kv_connector_extra_config={
-            "transport": "mooncake", "host": host, "port": port, "timeout": 10,
+            "transport": "mooncake",
+            "host": host,
+            "port": port,
+            "timeout": 10,
         },
-    )  # fmt: skip
+    )
     return SimpleNamespace(
         kv_transfer_config=ktc, parallel_config=SimpleNamespace(tensor_parallel_size=1)
     )
@@ -190,10 +195,14 @@ def test_failed_load_is_reported_for_recompute() -> None:
         params = {
             "do_remote_prefill": True,
             "kvbridge": {
-                "request_id": "gone", "engine_id": "nobody", "endpoint": f"tcp://127.0.0.1:{_port()}",
-                "block_ids": {0: [3], 1: [7]}, "num_tokens": 63, "transport": "mooncake",
+                "request_id": "gone",
+                "engine_id": "nobody",
+                "endpoint": f"tcp://127.0.0.1:{_port()}",
+                "block_ids": {0: [3], 1: [7]},
+                "num_tokens": 63,
+                "transport": "mooncake",
             },
-        }  # fmt: skip
+        }
         dreq = make_request("d2", 64, params)
         assert d_sched.get_num_new_matched_tokens(dreq, 0) == (63, True)
         d_sched.update_state_after_alloc(dreq, blocks_of([[10], [8]]), 63)

@@ -59,9 +59,11 @@ def test_the_faulty_connector_loads_the_wrapped_transport(fault_dir):
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     ktc = KVTransferConfig(
-        kv_connector="FaultyKVBridgeConnector", kv_role="kv_consumer", engine_id="decode-1",
+        kv_connector="FaultyKVBridgeConnector",
+        kv_role="kv_consumer",
+        engine_id="decode-1",
         kv_connector_extra_config={"transport": "cma", "port": port, "timeout": 10},
-    )  # fmt: skip
+    )
     vcfg = SimpleNamespace(
         kv_transfer_config=ktc, parallel_config=SimpleNamespace(tensor_parallel_size=1)
     )

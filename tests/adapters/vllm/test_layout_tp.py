@@ -162,9 +162,12 @@ def rank_specs(kind: str, tp: int) -> dict[str, KVCacheSpec]:
         return {f"attn{i}": attn for i in range(3)}
     if kind == "sliding":
         swa = SlidingWindowSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=DTYPE,
+            block_size=BLOCK_SIZE,
+            num_kv_heads=heads,
+            head_size=HEAD_SIZE,
+            dtype=DTYPE,
             sliding_window=SLIDING_WINDOW,
-        )  # fmt: skip
+        )
         return {"attn0": attn, "swa0": swa, "attn1": attn, "swa1": swa}
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
         tp, conv_kernel_size=GDN_KERNEL, **GDN
@@ -173,10 +176,13 @@ def rank_specs(kind: str, tp: int) -> dict[str, KVCacheSpec]:
     # "gdn_packed": unpadded, which vLLM pads or packs side by side in each block itself.
     padded = None if kind == "gdn_packed" else attn.page_size_bytes
     gdn = MambaSpec(
-        block_size=BLOCK_SIZE, shapes=shapes, dtypes=(DTYPE, torch.float32),
-        page_size_padded=padded, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        block_size=BLOCK_SIZE,
+        shapes=shapes,
+        dtypes=(DTYPE, torch.float32),
+        page_size_padded=padded,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
         mamba_cache_mode="align",
-    )  # fmt: skip
+    )
     return {"gdn0": gdn, "gdn1": gdn, "attn0": attn, "gdn2": gdn, "gdn3": gdn, "attn1": attn}
 
 
@@ -218,10 +224,14 @@ def layout_of(caches: VllmCaches, tp: int, rank: int) -> Layout:
     total = TOTAL_KV_HEADS[caches.kind]
     return Layout(
         build_layout_spec(
-            caches.config, caches.views, tp_rank=rank, tp_size=tp, total_num_kv_heads=total,
+            caches.config,
+            caches.views,
+            tp_rank=rank,
+            tp_size=tp,
+            total_num_kv_heads=total,
             engine_layout=caches.layout,
         )
-    )  # fmt: skip
+    )
 
 
 # --- the model's global cache, and which rank holds what -------------------------------------
@@ -302,9 +312,15 @@ def source_rank(holders_p: list[int], holders_d: list[int], d: int) -> int:
 
 
 def expected_runs(
-    g: GlobalCache, p: VllmCaches, d: VllmCaches, tp: int, td: int, d_rank: int, p_rank: int,
+    g: GlobalCache,
+    p: VllmCaches,
+    d: VllmCaches,
+    tp: int,
+    td: int,
+    d_rank: int,
+    p_rank: int,
     moved: list[tuple[str, int, int]],
-) -> ByteRuns | None:  # fmt: skip
+) -> ByteRuns | None:
     """Every element P rank ``p_rank`` sends D rank ``d_rank``, P address to D address."""
     src: list[npt.NDArray[np.int64]] = []
     dst: list[npt.NDArray[np.int64]] = []
@@ -570,9 +586,12 @@ def test_state_kinds_without_a_known_split_carry_no_shards() -> None:
         spec = MambaSpec(block_size=BLOCK_SIZE, shapes=shapes, dtypes=dtypes, mamba_type=mamba_type)
         assert _state_shards(spec, sizes, 1, 2, "SD") is None
     replicated = MambaSpec(
-        block_size=BLOCK_SIZE, shapes=shapes, dtypes=dtypes, tp_replicated=True,
+        block_size=BLOCK_SIZE,
+        shapes=shapes,
+        dtypes=dtypes,
+        tp_replicated=True,
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-    )  # fmt: skip
+    )
     shards = _state_shards(replicated, sizes, 1, 2, "SD")
     assert shards is not None
     assert [(s.count, s.unit_bytes, s.replicas, s.replica) for [s] in shards] == [

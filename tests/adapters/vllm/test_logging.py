@@ -27,9 +27,12 @@ vllm.logger.init_logger("vllm.test").info("vllm-info-line")
 def run(env: dict[str, str]) -> str:
     base = {"PATH": "/usr/bin:/bin", "VLLM_LOGGING_STREAM": "ext://sys.stdout", "NO_COLOR": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env={**base, **env}, capture_output=True, text=True,
+        [sys.executable, "-c", SCRIPT],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout + done.stderr
 

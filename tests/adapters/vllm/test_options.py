@@ -41,11 +41,21 @@ def _error(extra: dict[str, object], transport: str | None = None) -> str:
 def test_valid_options_are_converted_and_defaults_kept() -> None:
     assert Options.from_extra(None, None) == Options()
     options = Options.from_extra(
-        {"transport": "cma", "transport_options": {"protocol": "tcp"}, "mode": "push",
-         "host": "10.0.0.1", "port": 65535, "timeout": 10, "lease": 0.5, "secret": SECRET,
-         "kv_split": "opaque", "kv_layout": "blhnc", "verify": "sample"},
+        {
+            "transport": "cma",
+            "transport_options": {"protocol": "tcp"},
+            "mode": "push",
+            "host": "10.0.0.1",
+            "port": 65535,
+            "timeout": 10,
+            "lease": 0.5,
+            "secret": SECRET,
+            "kv_split": "opaque",
+            "kv_layout": "blhnc",
+            "verify": "sample",
+        },
         None,
-    )  # fmt: skip
+    )
     assert options.mode is Mode.PUSH and options.verify is Verify.SAMPLE
     assert isinstance(options.timeout, float) and options.timeout == 10.0
     assert (options.port, options.lease, options.kv_layout) == (65535, 0.5, "BLHNC")
@@ -133,9 +143,11 @@ def test_a_conflicting_transport_timeout_fails_at_start() -> None:
 def test_the_connector_refuses_a_bad_option_when_vllm_starts_it() -> None:
     register()
     ktc = KVTransferConfig(
-        kv_connector="KVBridgeConnector", kv_role="kv_both", engine_id="e",
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_both",
+        engine_id="e",
         kv_connector_extra_config={"transport": "mooncake", "timeout": "ten"},
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match=r"^kvbridge option timeout='ten': expected "):
         KVBridgeConnector.get_required_kvcache_layout(VllmConfig(kv_transfer_config=ktc))
 
@@ -295,17 +307,20 @@ def test_the_connector_takes_tensor_parallelism_and_refuses_pipeline_stages() ->
     # instead of every load failing later.
     register()
     ktc = KVTransferConfig(
-        kv_connector="KVBridgeConnector", kv_role="kv_consumer", engine_id="e",
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_consumer",
+        engine_id="e",
         kv_connector_extra_config={"transport": "mooncake", "port": 6100},
-    )  # fmt: skip
+    )
     config = VllmConfig(kv_transfer_config=ktc)
     config.parallel_config.tensor_parallel_size = 2
     assert KVBridgeConnector.get_required_kvcache_layout(config) == "LBHNC"
     connector = KVBridgeConnector(config, KVConnectorRole.SCHEDULER, _no_groups())
     assert connector.scheduler is not None
     assert [(r.engine_id, r.endpoint) for r in connector.scheduler.ranks] == [
-        ("e.tp0", "tcp://127.0.0.1:6100"), ("e.tp1", "tcp://127.0.0.1:6101"),
-    ]  # fmt: skip
+        ("e.tp0", "tcp://127.0.0.1:6100"),
+        ("e.tp1", "tcp://127.0.0.1:6101"),
+    ]
     config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(ValueError, match=r"^kvbridge: pipeline_parallel_size=2 is not supported"):
         KVBridgeConnector.get_required_kvcache_layout(config)
@@ -323,9 +338,11 @@ def test_sleep_mode_is_refused_at_start_in_one_line() -> None:
 
     register()
     ktc = KVTransferConfig(
-        kv_connector="KVBridgeConnector", kv_role="kv_consumer", engine_id="e",
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_consumer",
+        engine_id="e",
         kv_connector_extra_config={"transport": "mooncake", "port": 6100},
-    )  # fmt: skip
+    )
     assert KVBridgeConnector.supports_sleep_mode(ktc) is False
     config = VllmConfig(kv_transfer_config=ktc)
     config.model_config = SimpleNamespace(enable_sleep_mode=True, use_mla=False)  # type: ignore[assignment]

@@ -44,8 +44,9 @@ INF = float("inf")
 
 
 def _vllm_config(model_dir: Path, connector: str) -> VllmConfig:
-    model = ModelConfig(model=str(model_dir), served_model_name=MODEL, skip_tokenizer_init=True,
-                        max_model_len=1024)  # fmt: skip
+    model = ModelConfig(
+        model=str(model_dir), served_model_name=MODEL, skip_tokenizer_init=True, max_model_len=1024
+    )
     ktc = KVTransferConfig(kv_connector=connector, kv_role="kv_both")
     return VllmConfig(model_config=model, kv_transfer_config=ktc)
 
@@ -106,8 +107,13 @@ def _port() -> int:
 
 
 def transfer(seconds: float, nbytes: int, descriptors: int, handshake: float = 0.0) -> RequestStats:
-    return RequestStats(transfer_s=seconds, nbytes=nbytes, descriptors=descriptors,
-                        descriptors_before_merge=2 * descriptors, handshake_s=handshake)  # fmt: skip
+    return RequestStats(
+        transfer_s=seconds,
+        nbytes=nbytes,
+        descriptors=descriptors,
+        descriptors_before_merge=2 * descriptors,
+        handshake_s=handshake,
+    )
 
 
 def two_workers() -> dict[str, Any]:
@@ -172,10 +178,13 @@ def test_prometheus_logger_exports_one_step(vllm_config: VllmConfig) -> None:
     assert one("vllm:kvbridge_fence_time_seconds_count") == 1
     assert one("vllm:kvbridge_fence_time_seconds_sum") == pytest.approx(0.2)
     counters = {
-        "vllm:kvbridge_transfers_total": 3, "vllm:kvbridge_transfer_failures_total": 3,
-        "vllm:kvbridge_lease_expiries_total": 2, "vllm:kvbridge_fenced_total": 1,
-        "vllm:kvbridge_unproven_fences_total": 1, "vllm:kvbridge_verify_failures_total": 1,
-    }  # fmt: skip
+        "vllm:kvbridge_transfers_total": 3,
+        "vllm:kvbridge_transfer_failures_total": 3,
+        "vllm:kvbridge_lease_expiries_total": 2,
+        "vllm:kvbridge_fenced_total": 1,
+        "vllm:kvbridge_unproven_fences_total": 1,
+        "vllm:kvbridge_verify_failures_total": 1,
+    }
     assert {name: one(name) for name in counters} == counters
     # Engine 0 reported nothing: its series exist, at zero.
     assert sample(got, "vllm:kvbridge_transfer_time_seconds_count", engine=0) == 0
@@ -225,9 +234,11 @@ def test_lease_expiry_on_prefill_reaches_the_stats_and_metrics(vllm_config: Vllm
     """P publishes, no D ever comes: the lease expires and P's worker counts it."""
     config, kernels = hybrid_config(kernel=32)
     ktc = KVTransferConfig(
-        kv_connector="KVBridgeConnector-cma", kv_role="kv_producer", engine_id="prefill-lease",
+        kv_connector="KVBridgeConnector-cma",
+        kv_role="kv_producer",
+        engine_id="prefill-lease",
         kv_connector_extra_config={"port": _port(), "timeout": 0.1, "lease": 0.3},
-    )  # fmt: skip
+    )
     vcfg = SimpleNamespace(
         kv_transfer_config=ktc, parallel_config=SimpleNamespace(tensor_parallel_size=1)
     )

@@ -44,10 +44,16 @@ def test_prefill_then_decode_with_ps_params() -> None:
         return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
 
     with client(handler) as c:
-        r = c.post("/v1/completions", json={
-            "model": "m", "prompt": [5, 6, 7], "max_tokens": 32, "stream_options": {},
-            "kv_transfer_params": {"kvbridge_mode": "push"},
-        })  # fmt: skip
+        r = c.post(
+            "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": [5, 6, 7],
+                "max_tokens": 32,
+                "stream_options": {},
+                "kv_transfer_params": {"kvbridge_mode": "push"},
+            },
+        )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
     assert r.headers["x-kvbridge-remote-engine-id"] == "p0"
     p, d = seen["prefill"], seen["decode"]
@@ -179,13 +185,19 @@ def test_metrics_count_outcomes_durations_and_backend_errors() -> None:
         assert c.post(C, json=completion).status_code == 400
         after = scrape(c)
     assert requests(after) == {
-        (C, "ok"): 1, (CHAT, "ok"): 1, (C, "client_error"): 3, (C, "prefill_error"): 1,
-        (CHAT, "prefill_error"): 1, (C, "decode_error"): 1,
-    }  # fmt: skip
+        (C, "ok"): 1,
+        (CHAT, "ok"): 1,
+        (C, "client_error"): 3,
+        (C, "prefill_error"): 1,
+        (CHAT, "prefill_error"): 1,
+        (C, "decode_error"): 1,
+    }
     assert backend_errors(after) == {
-        ("prefill", P, "http_5xx"): 1, ("prefill", P, "timeout"): 1,
-        ("decode", D, "unreachable"): 1, ("decode", D, "http_4xx"): 1,
-    }  # fmt: skip
+        ("prefill", P, "http_5xx"): 1,
+        ("prefill", P, "timeout"): 1,
+        ("decode", D, "unreachable"): 1,
+        ("decode", D, "http_4xx"): 1,
+    }
     duration = "kvbridge_proxy_request_duration_seconds"
     assert value(after, duration + "_count", endpoint=C) == 6
     assert value(after, duration + "_count", endpoint=CHAT) == 2
@@ -264,10 +276,19 @@ def test_a_client_leaving_before_the_stream_is_counted_and_ds_answer_closed() ->
     app = create_app([P], [D], transport=httpx.MockTransport(stream_handler(streams)))
     body = json.dumps({"model": "m", "prompt": "hi", "stream": True}).encode()
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": C, "raw_path": C.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json")], "client": ("c", 1), "server": ("s", 80),
-    }  # fmt: skip
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": C,
+        "raw_path": C.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("c", 1),
+        "server": ("s", 80),
+    }
     sent: list[dict[str, Any]] = []
 
     async def run() -> None:
@@ -312,8 +333,13 @@ def test_the_command_without_the_extra_says_what_to_install(tmp_path: Path, miss
     if missing == "httpx" and script.is_file():
         commands.append([str(script)])  # the console script, through the real entry point
     for cmd in commands:
-        r = subprocess.run([*cmd, "--prefill", P, "--decode", D], capture_output=True, text=True,
-                           env=env, timeout=60)  # fmt: skip
+        r = subprocess.run(
+            [*cmd, "--prefill", P, "--decode", D],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert r.returncode == 2, (cmd, r.stderr)
         assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert f"cannot import {missing}" in r.stderr, r.stderr
@@ -327,8 +353,9 @@ def test_create_app_without_the_extra_raises_import_error_naming_it(tmp_path: Pa
         "try:\n    create_app(['http://p'], ['http://d'])\n"
         "except ImportError as e:\n    print(e, '|', e.__cause__.name)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     hint = "the P/D proxy needs the proxy extra: pip install 'kvbridge[proxy]'"
     assert r.stdout.strip() == f"{hint} | fastapi"

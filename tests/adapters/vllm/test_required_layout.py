@@ -27,9 +27,11 @@ EVERY_LAYOUT = [["LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]]
 def _config(**extra: object) -> VllmConfig:
     register()
     ktc = KVTransferConfig(
-        kv_connector="KVBridgeConnector", kv_role="kv_both", engine_id="e",
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_both",
+        engine_id="e",
         kv_connector_extra_config={"transport": "mooncake", **extra},
-    )  # fmt: skip
+    )
     return VllmConfig(kv_transfer_config=ktc)
 
 
@@ -72,9 +74,11 @@ FORMATS = {
 def test_the_connector_registers_every_layout_vllm_resolves(layout: str) -> None:
     caches = build_caches("sliding", layout)
     ktc = KVTransferConfig(
-        kv_connector="KVBridgeConnector", kv_role="kv_both", engine_id=f"e-{layout}",
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_both",
+        engine_id=f"e-{layout}",
         kv_connector_extra_config={"transport": "cma", "port": _free_port(), "kv_split": "opaque"},
-    )  # fmt: skip
+    )
     vllm_config = SimpleNamespace(
         kv_transfer_config=ktc,
         parallel_config=SimpleNamespace(tensor_parallel_size=1),

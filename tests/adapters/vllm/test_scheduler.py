@@ -127,8 +127,13 @@ def test_d_logs_and_counts_a_remote_prefill_without_kvbridge_parameters() -> Non
     """A router that writes its own parameters (vllm-router's mooncake mode: remote host, port
     and engine id, no ``kvbridge`` key): D prefills itself, says so once per request, counts."""
     sched = state(DENSE)
-    foreign = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "10.0.0.1",
-               "remote_port": 8998, "remote_block_ids": None}  # fmt: skip
+    foreign = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "x",
+        "remote_host": "10.0.0.1",
+        "remote_port": 8998,
+        "remote_block_ids": None,
+    }
     req = make_request("d1", 130, foreign)
     # A handler on the scheduler's own logger sees each record once, wherever the kvbridge
     # logger forwards it (vLLM's handlers once the plugin has run, in this process or not).

@@ -97,8 +97,13 @@ def model_specs(kind: str) -> dict[str, KVCacheSpec]:
         assert padded is None or padded >= _gdn(None).page_size_bytes
         gdn = _gdn(padded)
         return {
-            "gdn0": gdn, "gdn1": gdn, "attn0": attn, "gdn2": gdn, "gdn3": gdn, "attn1": attn,
-        }  # fmt: skip
+            "gdn0": gdn,
+            "gdn1": gdn,
+            "attn0": attn,
+            "gdn2": gdn,
+            "gdn3": gdn,
+            "attn1": attn,
+        }
     raise ValueError(f"unknown model kind {kind!r}; known: {KINDS}")
 
 
@@ -129,9 +134,13 @@ def _is_sliding(spec: KVCacheSpec) -> bool:
 
 
 def make_kv_cache_config(
-    kind: str, layout: str, num_blocks: int = NUM_BLOCKS, *,
-    specs: dict[str, KVCacheSpec] | None = None, tp_size: int = 1,
-) -> KVCacheConfig:  # fmt: skip
+    kind: str,
+    layout: str,
+    num_blocks: int = NUM_BLOCKS,
+    *,
+    specs: dict[str, KVCacheSpec] | None = None,
+    tp_size: int = 1,
+) -> KVCacheConfig:
     """vLLM's grouping and placement of the model's layers (``VllmRefused`` if it refuses);
     ``specs``: one TP rank's layer specs instead of ``kind``'s (``tp_size`` ranks)."""
     config = vllm_config(layout, num_blocks)
@@ -284,9 +293,14 @@ def twin(caches: VllmCaches) -> VllmCaches:
     """A second allocation with the same config (vLLM's views over a different buffer)."""
     views = allocate(caches.config, caches.layout, caches.kernel_sizes, caches.device)
     return VllmCaches(
-        caches.kind, caches.layout, caches.ratio, caches.config, views, caches.kernel_sizes,
+        caches.kind,
+        caches.layout,
+        caches.ratio,
+        caches.config,
+        views,
+        caches.kernel_sizes,
         caches.device,
-    )  # fmt: skip
+    )
 
 
 def element_addresses(t: torch.Tensor) -> npt.NDArray[np.int64]:

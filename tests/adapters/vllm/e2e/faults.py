@@ -130,9 +130,13 @@ class FaultyTransport:
             return self.inner.submit(op, peer, local, remote, lengths)
         lengths = np.asarray(lengths, dtype=np.uint64)
         handle = _LateHandle(
-            op=op, peer=peer, count=len(lengths), nbytes=int(lengths.sum()),
-            deadline=time.monotonic() + self.inner.timeout, unfenced=armed["unfenced"],
-        )  # fmt: skip
+            op=op,
+            peer=peer,
+            count=len(lengths),
+            nbytes=int(lengths.sum()),
+            deadline=time.monotonic() + self.inner.timeout,
+            unfenced=armed["unfenced"],
+        )
         args = (handle, armed, peer, np.asarray(local), np.asarray(remote), lengths)
         threading.Thread(target=self._land_late, args=args, daemon=True).start()
         return handle
@@ -147,8 +151,14 @@ class FaultyTransport:
                     ctypes.memset(addr, GARBAGE, size)
             else:  # our engine's write reaches the peer's blocks
                 self._write_garbage(peer, remote, lengths)
-            record = {"seq": armed["seq"], "op": handle.op.value, "delay_ms": armed["delay_ms"],
-                      "bytes": handle.nbytes, "role": self.role, "at": time.time()}  # fmt: skip
+            record = {
+                "seq": armed["seq"],
+                "op": handle.op.value,
+                "delay_ms": armed["delay_ms"],
+                "bytes": handle.nbytes,
+                "role": self.role,
+                "at": time.time(),
+            }
             _append(self.directory / f"fired-{os.getpid()}.jsonl", record)
         finally:
             handle.landed.set()
@@ -237,11 +247,19 @@ def install(directory: Path, role: str, transport: str) -> None:
     def record_outcome(self: ControlPlane, outcome: Any) -> None:
         record(self, outcome)
         with contextlib.suppress(OSError):
-            _append(directory / f"outcomes-{os.getpid()}.jsonl", {
-                "role": role, "request_id": outcome.request_id, "ok": outcome.ok,
-                "reason": outcome.reason, "fence_s": outcome.stats.fence_s,
-                "transfer_s": outcome.stats.transfer_s, "handshake_s": outcome.stats.handshake_s,
-                "verify_failed": outcome.stats.verify_failed, "at": time.time(),
-            })  # fmt: skip
+            _append(
+                directory / f"outcomes-{os.getpid()}.jsonl",
+                {
+                    "role": role,
+                    "request_id": outcome.request_id,
+                    "ok": outcome.ok,
+                    "reason": outcome.reason,
+                    "fence_s": outcome.stats.fence_s,
+                    "transfer_s": outcome.stats.transfer_s,
+                    "handshake_s": outcome.stats.handshake_s,
+                    "verify_failed": outcome.stats.verify_failed,
+                    "at": time.time(),
+                },
+            )
 
     ControlPlane._record = record_outcome  # type: ignore[method-assign]

@@ -130,8 +130,13 @@ def build_llama(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path
     return out
 
 
-def prompts(count: int = 4, *, seed: int = 7, lengths: tuple[int, ...] = (45, 80, 130, 33, 64, 5),
-            vocab_size: int = 512) -> list[list[int]]:  # fmt: skip
+def prompts(
+    count: int = 4,
+    *,
+    seed: int = 7,
+    lengths: tuple[int, ...] = (45, 80, 130, 33, 64, 5),
+    vocab_size: int = 512,
+) -> list[list[int]]:
     """Token-id prompts of varied lengths (some crossing block boundaries), fixed seed."""
     gen = torch.Generator().manual_seed(seed)
     out = []

@@ -193,9 +193,12 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     for k, (ids, max_tokens, params, top2) in enumerate(requests):
         extra = {"kv_transfer_params": params} if params is not None else None
         sp = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args=extra,
             logprobs=2 if top2 else None,
-        )  # fmt: skip
+        )
         rids.append(f"req-{time.monotonic_ns()}-{k}")
         engine.add_request(rids[-1], {"prompt_token_ids": list(ids)}, sp)
     first: dict[str, float] = {}
@@ -289,9 +292,14 @@ def _die_with_driver() -> None:
 
 
 def engine_main(
-    conn: Any, model: str, kv_transfer: dict | None, cores: str, case: ModelCase,
-    faults: str | None = None, tp: int = 1,
-) -> None:  # fmt: skip
+    conn: Any,
+    model: str,
+    kv_transfer: dict | None,
+    cores: str,
+    case: ModelCase,
+    faults: str | None = None,
+    tp: int = 1,
+) -> None:
     """A child process holding one engine; serves requests, ``"reset"``, ``"usage"`` and
     ``("batch", [...])`` over ``conn``. ``faults``: a directory for ``faults.install``."""
     os.setpgrp()  # so that killing "P" kills its engine-core process too
@@ -302,9 +310,10 @@ def engine_main(
 
         os.environ[ENV] = faults
         kv_transfer = {
-            **kv_transfer, "kv_connector": "FaultyKVBridgeConnector",
+            **kv_transfer,
+            "kv_connector": "FaultyKVBridgeConnector",
             "kv_connector_module_path": "tests.adapters.vllm.e2e.faulty_connector",
-        }  # fmt: skip
+        }
     extra = (kv_transfer or {}).get("kv_connector_extra_config") or {}
     if "_side_channel_port" in extra:  # vLLM's NIXL connector takes its port from the env
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(extra.pop("_side_channel_port"))
@@ -339,9 +348,15 @@ class Engine:
     """Handle of an engine child process (the leader of its own process group)."""
 
     def __init__(
-        self, name: str, model: str, kv: dict | None, cores: str, case: ModelCase,
-        faults: Path | None = None, tp: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        model: str,
+        kv: dict | None,
+        cores: str,
+        case: ModelCase,
+        faults: Path | None = None,
+        tp: int = 1,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
@@ -413,9 +428,15 @@ class Engine:
 
 
 def kv_config(
-    role: str, transport: str, port: int, mode: str = "pull", timeout: float = 10.0,
-    lease: float = 60.0, verify: str = "off", peers: list[str] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    role: str,
+    transport: str,
+    port: int,
+    mode: str = "pull",
+    timeout: float = 10.0,
+    lease: float = 60.0,
+    verify: str = "off",
+    peers: list[str] | None = None,
+) -> dict[str, Any]:
     """The ``kv_transfer_config`` of one side (what users put on ``vllm serve``).
 
     ``peers``: D's ``prefill_peers`` (the P side channels it handshakes with at start).
@@ -551,10 +572,17 @@ def build_reference(case: ModelCase, root: Path, max_tokens: int = 32, tp: int =
     outs = reference(model, case, [*ps, control], max_tokens, tp)
     ref, ctl = outs[:-1], outs[-1]
     return Reference(
-        case, model, ps, control, [o["token_ids"] for o in ref], ctl["token_ids"],
-        [o["runner_up"] for o in ref], [o["gap"] for o in ref], [o["logprob"] for o in ref],
+        case,
+        model,
+        ps,
+        control,
+        [o["token_ids"] for o in ref],
+        ctl["token_ids"],
+        [o["runner_up"] for o in ref],
+        [o["gap"] for o in ref],
+        [o["logprob"] for o in ref],
         ref[-1]["local_hit_tokens"],
-    )  # fmt: skip
+    )
 
 
 def _decode(p: Engine, d: Engine, ids: list[int], mode: str, max_tokens: int) -> tuple[dict, dict]:
@@ -566,9 +594,14 @@ def _decode(p: Engine, d: Engine, ids: list[int], mode: str, max_tokens: int) ->
 
 
 def _after_fault(
-    p: Engine, d: Engine, ref: Reference, i: int, mode: str | None,
-    fault: Callable[[], None], max_tokens: int,
-) -> dict[str, Any]:  # fmt: skip
+    p: Engine,
+    d: Engine,
+    ref: Reference,
+    i: int,
+    mode: str | None,
+    fault: Callable[[], None],
+    max_tokens: int,
+) -> dict[str, Any]:
     """P prefills prompt ``i`` (in ``mode``, or P's configured one), ``fault`` hits P, then D
     decodes with P's parameters: D's tokens against the single instance's, and D's time."""
     params: dict[str, Any] = {"do_remote_decode": True}
@@ -610,13 +643,30 @@ def run_pair(
     ``tp_p``/``tp_d``: the TP sizes of P and D (``ref`` must be a single instance at ``tp_d``).
     """
     case = ref.case
-    p = Engine("prefill", ref.model, kv_config("kv_producer", transport, port_p),
-               cores_for(tp_p, CORE_P), case, tp=tp_p)  # fmt: skip
+    p = Engine(
+        "prefill",
+        ref.model,
+        kv_config("kv_producer", transport, port_p),
+        cores_for(tp_p, CORE_P),
+        case,
+        tp=tp_p,
+    )
     peers = [f"127.0.0.1:{port_p + r}" for r in range(tp_p)]  # P's ranks' side channels
-    d = Engine("decode", ref.model, kv_config("kv_consumer", transport, port_d, peers=peers),
-               cores_for(tp_d, CORE_D), case, tp=tp_d)  # fmt: skip
-    summary: dict[str, Any] = {"model": case.name, "transport": transport, "dtype": case.dtype,
-                               "tp_p": tp_p, "tp_d": tp_d}  # fmt: skip
+    d = Engine(
+        "decode",
+        ref.model,
+        kv_config("kv_consumer", transport, port_d, peers=peers),
+        cores_for(tp_d, CORE_D),
+        case,
+        tp=tp_d,
+    )
+    summary: dict[str, Any] = {
+        "model": case.name,
+        "transport": transport,
+        "dtype": case.dtype,
+        "tp_p": tp_p,
+        "tp_d": tp_d,
+    }
     results: list[dict[str, Any]] = []
     try:
         t_p, t_d = p.wait_ready(), d.wait_ready()
@@ -665,10 +715,11 @@ def run_pair(
         # control's own tokens: it decoded over P's KV.
         as_prompt0 = ref.compare(0, dec["token_ids"], dec["logprob"]) != "mismatch"
         summary["control"] = {
-            "loaded": as_prompt0 and dec["token_ids"] != ref.control_tokens
+            "loaded": as_prompt0
+            and dec["token_ids"] != ref.control_tokens
             and ref.control_tokens != ref.tokens[0],
             "d_tokens": dec["token_ids"],
-        }  # fmt: skip
+        }
         log(f"  control: D used P's KV = {summary['control']['loaded']}")
         if freeze_check:
             # P stopped (SIGSTOP) right after its prefill for longer than the timeout, then
@@ -739,10 +790,13 @@ def show(ref: Reference, summary: dict[str, Any]) -> None:
     for r in summary["results"]:
         again = " again" if r["repeat"] else ""
         table.add_row(
-            r["mode"], f"{r['prompt']} ({r['prompt_len']} t{again})", str(r["p_tokens"]),
-            str(r["d_tokens"][:6]), str(r["ref_tokens"][:6]),
+            r["mode"],
+            f"{r['prompt']} ({r['prompt_len']} t{again})",
+            str(r["p_tokens"]),
+            str(r["d_tokens"][:6]),
+            str(r["ref_tokens"][:6]),
             verdict.get(r["match"], "[red]NO[/red]") + _parting(r),
-        )  # fmt: skip
+        )
     console = Console(width=120)
     console.print(table)
     ctl, killed = summary.get("control", {}), summary.get("p_killed", {})
@@ -779,10 +833,15 @@ def main(argv: list[str] | None = None) -> int:
         ref = build_reference(case, Path(tmp), a.max_tokens)
         print(f"single-instance reference in {time.perf_counter() - t0:.1f} s")
         summary = run_pair(
-            ref, a.transport, modes=tuple(a.modes.split(",")), max_tokens=a.max_tokens,
-            port_p=a.port_p, port_d=a.port_d, kill_check=not a.no_kill,
+            ref,
+            a.transport,
+            modes=tuple(a.modes.split(",")),
+            max_tokens=a.max_tokens,
+            port_p=a.port_p,
+            port_d=a.port_d,
+            kill_check=not a.no_kill,
             freeze_check=not a.no_freeze,
-        )  # fmt: skip
+        )
     if a.show:
         show(ref, summary)
     if a.json:

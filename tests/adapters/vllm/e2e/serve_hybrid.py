@@ -63,9 +63,13 @@ def ask(
 ) -> tuple[list[int], list[float]]:
     """One greedy completion with log-probs (streamed or not): token ids and their log-probs."""
     kw: dict[str, Any] = {
-        "model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-        "logprobs": 1, "extra_body": {"ignore_eos": True, "return_token_ids": True},
-    }  # fmt: skip
+        "model": SERVED_NAME,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
     if not stream:
         choice = client.completions.create(**kw).choices[0]
         return _tokens_of(choice), [float(x) for x in choice.logprobs.token_logprobs]
@@ -110,15 +114,18 @@ def run_serve_hybrid(
             tokens, logprobs = ask(router, ref.prompts[i], max_tokens, stream=i == STREAMED)
             after = scrape(urls["decode"])
             row = {
-                "prompt": i, "prompt_len": len(ref.prompts[i]),
+                "prompt": i,
+                "prompt_len": len(ref.prompts[i]),
                 "match": ref.compare(i, tokens, logprobs),
                 "lp_dev": ref.deviation(i, tokens, logprobs),
                 "loaded_bytes": after.get(BYTES, 0.0) - before.get(BYTES, 0.0),
                 "d_hit": after.get(HITS, 0.0) - before.get(HITS, 0.0),
-            }  # fmt: skip
-            log(f"prompt {i} ({row['prompt_len']} tokens): {row['match']} (deviation "
+            }
+            log(
+                f"prompt {i} ({row['prompt_len']} tokens): {row['match']} (deviation "
                 f"{row['lp_dev']:.3f}), D loaded {row['loaded_bytes']:.0f} B, D hit "
-                f"{row['d_hit']:.0f}")  # fmt: skip
+                f"{row['d_hit']:.0f}"
+            )
             return row
 
         for i in ROUTED:
@@ -134,21 +141,25 @@ def run_serve_hybrid(
         for s in reversed(servers):
             s.stop()
     summary = {
-        "model": ref.case.name, "transport": transport, "mode": mode,
+        "model": ref.case.name,
+        "transport": transport,
+        "mode": mode,
         "rows": [rows[i] for i in sorted(rows)],
         "d_failed_loads": metrics.get(FAILURES, 0.0),
         "d_handshakes": metrics.get(HANDSHAKES, 0.0),
-        "work_dir": str(work), "logs": {k: str(p) for k, p in logs.items()},
-    }  # fmt: skip
+        "work_dir": str(work),
+        "logs": {k: str(p) for k, p in logs.items()},
+    }
     yardstick = rows[YARDSTICK]["loaded_bytes"]
     summary["ok"] = (
         all(r["match"] != "mismatch" for r in rows.values())
         and rows[ONE_TOKEN]["loaded_bytes"] == 0
         and all(rows[i]["loaded_bytes"] > 0 for i in rows if i != ONE_TOKEN)
-        and all(rows[i]["d_hit"] > 0 and rows[i]["loaded_bytes"] < yardstick
-                for i in (REPEAT, D_ALONE))
+        and all(
+            rows[i]["d_hit"] > 0 and rows[i]["loaded_bytes"] < yardstick for i in (REPEAT, D_ALONE)
+        )
         and summary["d_failed_loads"] == 0
-    )  # fmt: skip
+    )
     if summary["ok"] and work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     return summary

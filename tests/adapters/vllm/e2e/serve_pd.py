@@ -92,9 +92,13 @@ class Server:
         self.log = log
         self._out = log.open("wb")
         self.proc = subprocess.Popen(
-            argv, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            argv,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the process group, SIGKILL after ``grace`` seconds."""
@@ -151,9 +155,19 @@ def _env(cores: str | None = None, **deploy: str) -> dict[str, str]:
 def vllm_args(dtype: str, hybrid: bool) -> list[str]:
     """The vLLM options both instances get, after the scripts' own (model, ports, connector)."""
     args = [
-        "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", "1024",
-        "--enforce-eager", "--seed", "0", "--max-num-seqs", "8", "--enable-prompt-tokens-details",
-    ]  # fmt: skip
+        "--served-model-name",
+        SERVED_NAME,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-num-seqs",
+        "8",
+        "--enable-prompt-tokens-details",
+    ]
     if not hybrid:  # hybrid models: vLLM picks the attention block size
         args += ["--block-size", "32"]
     return args
@@ -161,8 +175,13 @@ def vllm_args(dtype: str, hybrid: bool) -> list[str]:
 
 def deploy_vars(model: str, transport: str, mode: str, secret_file: Path) -> dict[str, str]:
     """What a launch script is given for one pair (the README's variables)."""
-    out = {"MODEL": model, "KVB_TRANSPORT": transport, "KVB_MODE": mode, "KVB_LEASE": "60",
-           "KVBRIDGE_SECRET_FILE": str(secret_file)}  # fmt: skip
+    out = {
+        "MODEL": model,
+        "KVB_TRANSPORT": transport,
+        "KVB_MODE": mode,
+        "KVB_LEASE": "60",
+        "KVBRIDGE_SECRET_FILE": str(secret_file),
+    }
     return out
 
 
@@ -194,9 +213,12 @@ def client_of(url: str, timeout: float = REQUEST_TIMEOUT_S) -> Any:
     import openai
 
     return openai.OpenAI(
-        base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout,
+        base_url=url + "/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=timeout,
         http_client=openai.DefaultHttpxClient(trust_env=False),
-    )  # fmt: skip
+    )
 
 
 def query(client: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -205,9 +227,12 @@ def query(client: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
     ``do_remote_prefill``)."""
     t0 = time.perf_counter()
     raw = client.completions.with_raw_response.create(
-        model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, temperature=0,
+        model=SERVED_NAME,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
-    )  # fmt: skip
+    )
     total = time.perf_counter() - t0
     resp = raw.parse()
     hdr = raw.headers
@@ -227,9 +252,13 @@ def query_stream(client: Any, ids: list[int], max_tokens: int) -> list[int]:
     """One streamed completion through the proxy: the token ids of all chunks."""
     out: list[int] = []
     stream = client.completions.create(
-        model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+        model=SERVED_NAME,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True},
-    )  # fmt: skip
+    )
     for chunk in stream:
         for choice in chunk.choices:
             out += _chunk_tokens(choice)
@@ -247,9 +276,12 @@ CHATS = tuple(
 def query_chat(client: Any, text: str, max_tokens: int, *, stream: bool) -> str:
     """One greedy chat completion: its content (all chunks' deltas when streamed)."""
     kwargs: dict[str, Any] = {
-        "model": SERVED_NAME, "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True},
-    }  # fmt: skip
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     if not stream:
         return str(client.chat.completions.create(**kwargs).choices[0].message.content)
     parts = []
@@ -266,16 +298,27 @@ def control(
     import httpx
 
     with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as http:
-        body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+        body = {
+            "model": SERVED_NAME,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         pre = http.post(p_url + "/v1/completions", json=body)
         pre.raise_for_status()
         params = pre.json().get("kv_transfer_params")
         if not params:
             raise ServeError(f"control: P returned no kv_transfer_params: {pre.text[:300]}")
-        body = {"model": SERVED_NAME, "prompt": other, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                "kv_transfer_params": params}  # fmt: skip
+        body = {
+            "model": SERVED_NAME,
+            "prompt": other,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": params,
+        }
         dec = http.post(d_url + "/v1/completions", json=body)
         dec.raise_for_status()
         return {"p_params": params, "d_tokens": list(dec.json()["choices"][0]["token_ids"])}
@@ -312,9 +355,13 @@ def transfer_stats(url: str, want: int, wait: float = 15.0) -> dict[str, float]:
     deadline = time.monotonic() + wait
     while True:
         m = scrape(url)
-        total = {"transfers": m.get(TRANSFERS, 0.0), "failed": m.get(FAILURES, 0.0),
-                 "MiB": m.get(BYTES, 0.0) / 2**20, "descriptors": m.get(DESCRIPTORS, 0.0),
-                 "handshakes": m.get(HANDSHAKES, 0.0)}  # fmt: skip
+        total = {
+            "transfers": m.get(TRANSFERS, 0.0),
+            "failed": m.get(FAILURES, 0.0),
+            "MiB": m.get(BYTES, 0.0) / 2**20,
+            "descriptors": m.get(DESCRIPTORS, 0.0),
+            "handshakes": m.get(HANDSHAKES, 0.0),
+        }
         if total["transfers"] >= want or time.monotonic() > deadline:
             return total
         time.sleep(0.5)
@@ -345,39 +392,71 @@ def start_pair(
     http_p, http_d, http_proxy, side_p, side_d = free_ports(5)
     if hosts is None:
         env = _env(
-            None, **deploy, LOG_DIR=str(work), PREFILL_CPUS=CORE_P, DECODE_CPUS=CORE_D,
-            PREFILL_PORT=str(http_p), DECODE_PORT=str(http_d), PROXY_PORT=str(http_proxy),
-            PREFILL_SIDE_PORT=str(side_p), DECODE_SIDE_PORT=str(side_d), ROUTER=router,
+            None,
+            **deploy,
+            LOG_DIR=str(work),
+            PREFILL_CPUS=CORE_P,
+            DECODE_CPUS=CORE_D,
+            PREFILL_PORT=str(http_p),
+            DECODE_PORT=str(http_d),
+            PROXY_PORT=str(http_proxy),
+            PREFILL_SIDE_PORT=str(side_p),
+            DECODE_SIDE_PORT=str(side_d),
+            ROUTER=router,
             VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
-        )  # fmt: skip
+        )
         argv = ["bash", str(DEPLOY / "one-host.sh"), *args]
         servers = [Server("one-host", argv, work / "proxy.log", env)]
         p_addr = d_addr = "127.0.0.1"
     else:
         p_host, d_host = hosts
         p_addr, d_addr = p_host.address, d_host.address
-        p_env = _env(CORE_P, **deploy, KVBRIDGE_HOST=p_addr, HTTP_HOST=p_addr,
-                     HTTP_PORT=str(http_p), KVBRIDGE_PORT=str(side_p))  # fmt: skip
-        d_env = _env(CORE_D, **deploy, KVBRIDGE_HOST=d_addr, HTTP_HOST=d_addr,
-                     HTTP_PORT=str(http_d), KVBRIDGE_PORT=str(side_d),
-                     KVB_PREFILL_PEERS=f"{p_addr}:{side_p}")  # fmt: skip
-        proxy_env = _env(None, PREFILL_URLS=f"http://{p_addr}:{http_p}",
-                         DECODE_URLS=f"http://{d_addr}:{http_d}", PROXY_HOST=d_addr,
-                         PROXY_PORT=str(http_proxy))  # fmt: skip
+        p_env = _env(
+            CORE_P,
+            **deploy,
+            KVBRIDGE_HOST=p_addr,
+            HTTP_HOST=p_addr,
+            HTTP_PORT=str(http_p),
+            KVBRIDGE_PORT=str(side_p),
+        )
+        d_env = _env(
+            CORE_D,
+            **deploy,
+            KVBRIDGE_HOST=d_addr,
+            HTTP_HOST=d_addr,
+            HTTP_PORT=str(http_d),
+            KVBRIDGE_PORT=str(side_d),
+            KVB_PREFILL_PEERS=f"{p_addr}:{side_p}",
+        )
+        proxy_env = _env(
+            None,
+            PREFILL_URLS=f"http://{p_addr}:{http_p}",
+            DECODE_URLS=f"http://{d_addr}:{http_d}",
+            PROXY_HOST=d_addr,
+            PROXY_PORT=str(http_proxy),
+        )
         # `ip netns exec` as on each host: it also mounts the namespace's own /sys, where UCX
         # lists the network devices (through the parent's /sys, D's would see only loopback).
         in_p, in_d = (["ip", "netns", "exec", h.netns, "bash"] for h in hosts)
         servers = [
-            Server("prefill", [*in_p, str(DEPLOY / "prefill.sh"), *args], work / "prefill.log",
-                   p_env),
-            Server("decode", [*in_d, str(DEPLOY / "decode.sh"), *args], work / "decode.log",
-                   d_env),
-            Server("proxy", [*in_d, str(DEPLOY / "proxy.sh"), "--timeout", str(REQUEST_TIMEOUT_S)],
-                   work / "proxy.log", proxy_env),
-        ]  # fmt: skip
+            Server(
+                "prefill", [*in_p, str(DEPLOY / "prefill.sh"), *args], work / "prefill.log", p_env
+            ),
+            Server("decode", [*in_d, str(DEPLOY / "decode.sh"), *args], work / "decode.log", d_env),
+            Server(
+                "proxy",
+                [*in_d, str(DEPLOY / "proxy.sh"), "--timeout", str(REQUEST_TIMEOUT_S)],
+                work / "proxy.log",
+                proxy_env,
+            ),
+        ]
     # (one-host.sh gives D P's side channel itself; the two-host D is told it, as the README says)
-    urls = {"prefill": f"http://{p_addr}:{http_p}", "decode": f"http://{d_addr}:{http_d}",
-            "proxy": f"http://{d_addr}:{http_proxy}", "prefill_side": f"tcp://{p_addr}:{side_p}"}  # fmt: skip
+    urls = {
+        "prefill": f"http://{p_addr}:{http_p}",
+        "decode": f"http://{d_addr}:{http_d}",
+        "proxy": f"http://{d_addr}:{http_proxy}",
+        "prefill_side": f"tcp://{p_addr}:{side_p}",
+    }
     return servers, urls
 
 
@@ -452,8 +531,15 @@ def run_serve(
         for i, ids in enumerate(ps):
             out = query(client, ids, max_tokens)
             match = out["token_ids"] == ref.tokens[i]
-            results.append({"prompt": i, "prompt_len": len(ids), "match": match,
-                            "ref_tokens": ref.tokens[i], **out})  # fmt: skip
+            results.append(
+                {
+                    "prompt": i,
+                    "prompt_len": len(ids),
+                    "match": match,
+                    "ref_tokens": ref.tokens[i],
+                    **out,
+                }
+            )
             log(
                 f"prompt {i} ({len(ids)} tokens): match={match} P {out['prefill_ms']} ms, "
                 f"total {out['total_s'] * 1e3:.0f} ms, P cached {out['p_cached']}, "
@@ -468,8 +554,15 @@ def run_serve(
             # The reference: the same chat on P alone (no kv_transfer_params: a single instance).
             alone = query_chat(client_of(urls["prefill"]), text, max_tokens, stream=False)
             routed = query_chat(client, text, max_tokens, stream=stream)
-            chats.append({"chat": n, "stream": stream, "match": bool(alone) and routed == alone,
-                          "routed": routed, "alone": alone})  # fmt: skip
+            chats.append(
+                {
+                    "chat": n,
+                    "stream": stream,
+                    "match": bool(alone) and routed == alone,
+                    "routed": routed,
+                    "alone": alone,
+                }
+            )
             log(f"chat {n} (stream={stream}): match={routed == alone}")
         ctl = control(urls["prefill"], urls["decode"], ps[0], other, max_tokens)
         loaded = ctl["d_tokens"] == ref.tokens[0] and ref.control_tokens != ref.tokens[0]
@@ -502,10 +595,15 @@ def run_serve(
         "logs": {k: str(p) for k, p in logs.items()},
     }
     summary["ok"] = (
-        bool(results) and all(r["match"] for r in results) and summary["stream_match"]
-        and all(c["match"] for c in chats) and loaded and summary["p_params_seen"] and stats["transfers"] >= len(ps)
+        bool(results)
+        and all(r["match"] for r in results)
+        and summary["stream_match"]
+        and all(c["match"] for c in chats)
+        and loaded
+        and summary["p_params_seen"]
+        and stats["transfers"] >= len(ps)
         and stats["failed"] == 0
-    )  # fmt: skip
+    )
     if summary["ok"] and work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     return summary
@@ -523,9 +621,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvb-models-") as models:
         ref = build_reference(CASES[a.model], Path(models), a.max_tokens)
         summary = run_serve(
-            ref, transport=a.transport, mode=a.mode, max_tokens=a.max_tokens,
+            ref,
+            transport=a.transport,
+            mode=a.mode,
+            max_tokens=a.max_tokens,
             work_dir=a.work_dir,
-        )  # fmt: skip
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=1))
     if not summary["ok"]:

@@ -59,7 +59,7 @@ from tests.adapters.vllm.e2e.serve_pd import (
     tail,
     vllm_args,
     wait_healthy,
-)  # fmt: skip
+)
 
 #: The prompts sent at once in phase 1 (the case's first ones).
 IN_FLIGHT = 32
@@ -110,24 +110,36 @@ class Deployment:
         side = [side0, side1, side2, side3]
         self.specs: dict[str, tuple[list[str], dict[str, str]]] = {}
         for n, (role, script, core) in enumerate(
-            [("prefill0", "prefill.sh", "0"), ("prefill1", "prefill.sh", "0"),
-             ("decode0", "decode.sh", "1"), ("decode1", "decode.sh", "1")]
-        ):  # fmt: skip
+            [
+                ("prefill0", "prefill.sh", "0"),
+                ("prefill1", "prefill.sh", "0"),
+                ("decode0", "decode.sh", "1"),
+                ("decode1", "decode.sh", "1"),
+            ]
+        ):
             args = [*base, "--max-num-seqs", str(D_MAX_SEQS)] if role.startswith("d") else base
             # Each D handshakes with both P's at start (prefill_peers).
             peers = {"KVB_PREFILL_PEERS": f"127.0.0.1:{side0},127.0.0.1:{side1}"}
-            env = _env(core, **deploy, KVBRIDGE_HOST="127.0.0.1", HTTP_HOST="127.0.0.1",
-                       HTTP_PORT=str(http[n]), KVBRIDGE_PORT=str(side[n]),
-                       **(peers if role.startswith("d") else {}))  # fmt: skip
+            env = _env(
+                core,
+                **deploy,
+                KVBRIDGE_HOST="127.0.0.1",
+                HTTP_HOST="127.0.0.1",
+                HTTP_PORT=str(http[n]),
+                KVBRIDGE_PORT=str(side[n]),
+                **(peers if role.startswith("d") else {}),
+            )
             self.specs[role] = (["bash", str(DEPLOY / script), *args], env)
         self.urls = {role: f"http://127.0.0.1:{http[n]}" for n, role in enumerate(self.specs)}
         self.urls["router"] = f"http://127.0.0.1:{http[4]}"
         router_env = _env(
-            None, PREFILL_URLS=f"{self.urls['prefill0']} {self.urls['prefill1']}",
+            None,
+            PREFILL_URLS=f"{self.urls['prefill0']} {self.urls['prefill1']}",
             DECODE_URLS=f"{self.urls['decode0']} {self.urls['decode1']}",
-            ROUTER_HOST="127.0.0.1", ROUTER_PORT=str(http[4]),
+            ROUTER_HOST="127.0.0.1",
+            ROUTER_PORT=str(http[4]),
             VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
-        )  # fmt: skip
+        )
         self.specs["router"] = (["bash", str(DEPLOY / "router.sh")], router_env)
         self.servers: dict[str, Server] = {}
         self.starts: dict[str, int] = {}
@@ -176,9 +188,12 @@ def complete(client: Any, ids: list[int], max_tokens: int, *, stream: bool = Fal
     if stream:
         return query_stream(client, ids, max_tokens)
     resp = client.completions.create(
-        model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, temperature=0,
+        model=SERVED_NAME,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
-    )  # fmt: skip
+    )
     return _tokens_of(resp.choices[0])
 
 
@@ -206,8 +221,11 @@ def in_flight(dep: Deployment, ref: Reference, max_tokens: int, log: Any) -> dic
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
         futures = [pool.submit(send, i) for i in range(IN_FLIGHT)]
-        wait_for(f"prefill 1 answering {KILL_AFTER} prefills",
-                 lambda: scrape(p1).get(SUCCESS, 0.0) - before >= KILL_AFTER, 120)  # fmt: skip
+        wait_for(
+            f"prefill 1 answering {KILL_AFTER} prefills",
+            lambda: scrape(p1).get(SUCCESS, 0.0) - before >= KILL_AFTER,
+            120,
+        )
         killed_at = time.perf_counter() - t0
         with lock:
             answered_before_kill = len(answers)
@@ -217,8 +235,10 @@ def in_flight(dep: Deployment, ref: Reference, max_tokens: int, log: Any) -> dic
         concurrent.futures.wait(futures, timeout=REQUEST_TIMEOUT_S * 2)
     first_pass_errors = dict(errors)
     restart_s = dep.wait_healthy(["prefill1"])
-    log(f"prefill 1 healthy again after {restart_s:.1f} s; {len(first_pass_errors)} requests "
-        f"failed while it was down: {sorted(first_pass_errors)}")  # fmt: skip
+    log(
+        f"prefill 1 healthy again after {restart_s:.1f} s; {len(first_pass_errors)} requests "
+        f"failed while it was down: {sorted(first_pass_errors)}"
+    )
     for _ in range(3):  # as a client: send the failed ones again, a bounded number of times
         missing = [i for i in range(IN_FLIGHT) if i not in answers]
         if not missing:
@@ -247,9 +267,12 @@ def one_request(dep: Deployment, ref: Reference, i: int, max_tokens: int) -> dic
     with contextlib.suppress(ServeError):  # a request that loads nothing never moves the count
         wait_for("D's transfer counter", lambda: total(dep.decodes, TRANSFERS) > t0, 5)
     return {
-        "prompt": i, "prompt_len": len(ref.prompts[i]), "match": tokens == ref.tokens[i],
-        "bytes": total(dep.decodes, BYTES) - b0, "loads": total(dep.decodes, TRANSFERS) - t0,
-    }  # fmt: skip
+        "prompt": i,
+        "prompt_len": len(ref.prompts[i]),
+        "match": tokens == ref.tokens[i],
+        "bytes": total(dep.decodes, BYTES) - b0,
+        "loads": total(dep.decodes, TRANSFERS) - t0,
+    }
 
 
 def warm_decodes(dep: Deployment, ids: list[int]) -> None:
@@ -298,8 +321,14 @@ def disconnect(dep: Deployment, ref: Reference, log: Any) -> dict[str, Any]:
         raise ServeError("no engine process found under the decode servers")
     loads0 = total(dep.decodes, TRANSFERS)
     success0 = total(dep.prefills, SUCCESS)
-    body = {"model": SERVED_NAME, "prompt": ref.prompts[EDGE["disconnect"]], "max_tokens": 16,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": SERVED_NAME,
+        "prompt": ref.prompts[EDGE["disconnect"]],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -325,9 +354,12 @@ def disconnect(dep: Deployment, ref: Reference, log: Any) -> dict[str, Any]:
         LEASE_S,
     )
     freed_at = time.perf_counter()
-    result = {"p_usage_held": held, "freed_after_s": freed_at - left_at,
-              "freed_after_resume_s": freed_at - resumed_at,
-              "d_loads_meanwhile": total(dep.decodes, TRANSFERS) - loads0}  # fmt: skip
+    result = {
+        "p_usage_held": held,
+        "freed_after_s": freed_at - left_at,
+        "freed_after_resume_s": freed_at - resumed_at,
+        "d_loads_meanwhile": total(dep.decodes, TRANSFERS) - loads0,
+    }
     log(f"client disconnect: {result}")
     return result
 

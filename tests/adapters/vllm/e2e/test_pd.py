@@ -79,8 +79,11 @@ def test_pd_matches_single_instance(
         assert not bad, f"{mode}: D's tokens differ from the single instance: {bad}"
         if ref.case.tie == 0:
             assert all(r["match"] == "exact" for r in rows)
-    repeats = [(r["mode"], r["d_cached"], r["p_cached"], r["d_loaded_bytes"])
-               for r in summary["results"] if r["repeat"] or r["prompt"] == ref.case.repeat]  # fmt: skip
+    repeats = [
+        (r["mode"], r["d_cached"], r["p_cached"], r["d_loaded_bytes"])
+        for r in summary["results"]
+        if r["repeat"] or r["prompt"] == ref.case.repeat
+    ]
     # D's own cache serves part of the repeated prompt and it loads only the rest (or, where
     # the single instance caches nothing of it, no hit anywhere): run_pd.run_pair.
     assert summary["prefix_hit"], f"repeated prompt (mode, D hit, P hit, D loaded B): {repeats}"

@@ -53,8 +53,9 @@ def test_served_pd_behind_vllm_router_matches_single_instance(
     KV (D's connector stats), with the mode P is configured with."""
     from tests.adapters.vllm.e2e.serve_pd import run_serve
 
-    summary = run_serve(reference("llama"), transport=transport, mode=mode, work_dir=tmp_path,
-                        router="vllm-router")  # fmt: skip
+    summary = run_serve(
+        reference("llama"), transport=transport, mode=mode, work_dir=tmp_path, router="vllm-router"
+    )
     check(summary)
     assert summary["stats"]["transfers"] >= len(summary["results"]) + 2 + len(summary["chats"])
 
@@ -75,8 +76,9 @@ def test_served_hybrid_behind_vllm_router_matches_single_instance_and_reuses_d_c
         run_serve_hybrid,
     )
 
-    summary = run_serve_hybrid(reference("qwen3_next"), transport="mooncake", mode="pull",
-                               work_dir=tmp_path)  # fmt: skip
+    summary = run_serve_hybrid(
+        reference("qwen3_next"), transport="mooncake", mode="pull", work_dir=tmp_path
+    )
     rows = {r["prompt"]: r for r in summary["rows"]}
     bad = {i: (r["match"], r["lp_dev"]) for i, r in rows.items() if r["match"] == "mismatch"}
     assert not bad, f"D's answers beyond the bf16 bound of the single instance's: {bad}"
@@ -106,9 +108,12 @@ def hosts() -> Iterator[tuple[Host, Host]]:
 # and the one-host served case; the served pair is started once per case, so one case here.
 @pytest.mark.parametrize(("transport", "mode"), [("nixl", "push")])
 def test_two_hosts_through_proxy_match_single_instance(
-    reference: Callable[[str], Reference], tmp_path: Path, hosts: tuple[Host, Host],
-    transport: str, mode: str,
-) -> None:  # fmt: skip
+    reference: Callable[[str], Reference],
+    tmp_path: Path,
+    hosts: tuple[Host, Host],
+    transport: str,
+    mode: str,
+) -> None:
     # P on one host, D and the proxy on the other, each started by its script with its own
     # address (KVBRIDGE_HOST) and a secret file, as the README's two-host example.
     from tests.adapters.vllm.e2e.serve_pd import run_serve
@@ -116,8 +121,9 @@ def test_two_hosts_through_proxy_match_single_instance(
     p_host, d_host = hosts
     ref = reference("llama")
     p_before = p_host.counters()
-    summary = run_in(d_host.netns, run_serve, ref, transport=transport, mode=mode,
-                     work_dir=tmp_path, hosts=hosts)  # fmt: skip
+    summary = run_in(
+        d_host.netns, run_serve, ref, transport=transport, mode=mode, work_dir=tmp_path, hosts=hosts
+    )
     check(summary)
     # The KV crossed the veth: P sent at least what D's connector says it loaded (read from
     # P on a pull, written by P on a push).

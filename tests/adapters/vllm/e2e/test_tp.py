@@ -58,14 +58,27 @@ def consecutive_free_ports(count: int, start: int = 6200) -> int:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("name", "transport", "mode", "tp_p", "tp_d"), RUNS)
 def test_tp_pair_matches_single_instance_at_d_tp(
-    name: str, transport: str, mode: str, tp_p: int, tp_d: int,
+    name: str,
+    transport: str,
+    mode: str,
+    tp_p: int,
+    tp_d: int,
     reference: Callable[..., Reference],
-) -> None:  # fmt: skip
+) -> None:
     ref = reference(name, tp=tp_d)
     port_p = consecutive_free_ports(tp_p, 6200)
     port_d = consecutive_free_ports(tp_d, port_p + 10)
-    summary = run_pair(ref, transport, modes=(mode,), port_p=port_p, port_d=port_d,
-                       kill_check=False, freeze_check=False, tp_p=tp_p, tp_d=tp_d)  # fmt: skip
+    summary = run_pair(
+        ref,
+        transport,
+        modes=(mode,),
+        port_p=port_p,
+        port_d=port_d,
+        kill_check=False,
+        freeze_check=False,
+        tp_p=tp_p,
+        tp_d=tp_d,
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"tp-{name}-{transport}-{tp_p}to{tp_d}.json").write_text(
         json.dumps(summary, indent=1)

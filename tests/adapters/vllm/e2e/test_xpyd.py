@@ -37,8 +37,10 @@ def test_two_prefills_two_decodes_behind_vllm_router(
     # D loads only what its prefix cache lacks: the yardstick moves the whole prompt; with
     # D holding its first PARTIAL_PREFIX tokens, the rest; held whole, its last block.
     edge = summary["edge"]
-    assert all(r["match"] for r in [*edge["repeated"], *(edge[k] for k in
-               ("no_hit", "partial_hit", "full_hit"))]), (edge, tails)  # fmt: skip
+    assert all(
+        r["match"]
+        for r in [*edge["repeated"], *(edge[k] for k in ("no_hit", "partial_hit", "full_hit"))]
+    ), (edge, tails)
     block = 32  # vllm_args' --block-size
     blocks = -(-edge["no_hit"]["prompt_len"] // block)
     block_bytes = edge["no_hit"]["bytes"] / blocks
