@@ -2,39 +2,16 @@
 
 The scheduler side is ``SchedulerState`` (pure bookkeeping); the worker side builds the core
 layout from the registered caches, opens a ``ControlPlane`` with the configured transport and
-starts publishes, loads and releases without blocking the forward pass. Options come from
-``kv_transfer_config.kv_connector_extra_config``:
-
-``transport`` (entry-point name, default ``mooncake``), ``transport_options`` (keyword options
-of the transport), ``mode`` (``pull`` or ``push``), ``host`` (side channel, ``127.0.0.1``),
-``port`` (side channel of TP rank 0, default 5790; TP rank r binds port + r, so an engine of
-TP size n needs ports port..port+n-1 free and reachable from the other side), ``timeout`` (s),
-``lease`` (s), ``secret`` (shared token authenticating peers), ``kv_split`` (``head_kv`` for
-vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform), ``kv_layout``
-(the physical KV cache layout to ask vLLM for: ``auto``, or one of vLLM's ``KVCacheLayout``
-names such as ``LBHNC`` or ``BLHNC``), ``verify`` (``off``, ``sample``, ``full``: digest what was
-moved on both sides; a mismatch fails the load), ``secret_file`` (a file holding ``secret``).
-
-Every option is checked for its type and range when the connector starts (``Options.from_extra``):
-a bad one stops it with one line naming the option, the value and what is expected. The
-environment sets the per-host values and wins over the JSON, which is typically shared by every
-instance: ``KVBRIDGE_HOST`` (``host``), ``KVBRIDGE_PORT`` (``port``), ``KVBRIDGE_SECRET`` or
-``KVBRIDGE_SECRET_FILE`` (``secret``, replacing both ``secret`` and ``secret_file`` of the JSON).
-The secret is never logged nor shown in errors or in ``repr(Options)``.
+starts publishes, loads and releases without blocking the forward pass. Its options
+(``kv_transfer_config.kv_connector_extra_config`` and the environment) are ``options.Options``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
-import re
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -50,12 +27,17 @@ from kvbridge.adapters.vllm.layout import (
     build_layout_spec,
     group_kind,
 )
+from kvbridge.adapters.vllm.options import (
+    Options,
+    rank_addresses,
+    refuse_unsupported_parallelism,
+    required_layout,
+)
 from kvbridge.adapters.vllm.prom_metrics import KVBridgePromMetrics
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.transpose import transpose_received
-from kvbridge.control.requests import Mode, RankAddress, TransferParams, rank_engine_id
-from kvbridge.core.integrity import Verify
+from kvbridge.control.requests import Mode, TransferParams, rank_engine_id
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport, load_transport_class
 from kvbridge.core.transpose import Transpose
@@ -73,268 +55,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbridge.vllm")
 
-DEFAULT_PORT = 5790
-SLEEP_MODE_REFUSED = (
-    "kvbridge: sleep mode (--enable-sleep-mode) is not supported: sleeping frees and remaps the "
-    "KV cache that the transport registered and peers read or write; start P and D without it"
-)
-
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
     """Scheduler → worker: what to start this step."""
 
     plan: StepPlan = field(default_factory=StepPlan)
-
-
-#: Environment variables that set an option for one host; they win over the (shared) JSON.
-ENV_HOST = "KVBRIDGE_HOST"
-ENV_PORT = "KVBRIDGE_PORT"
-ENV_SECRET = "KVBRIDGE_SECRET"
-ENV_SECRET_FILE = "KVBRIDGE_SECRET_FILE"
-
-_Text = Annotated[str, msgspec.Meta(min_length=1)]
-_Seconds = Annotated[float, msgspec.Meta(gt=0)]
-_SECONDS = "a finite number of seconds > 0"
-
-#: A prefill side channel as ``prefill_peers`` names it.
-_PEER = re.compile(r"(tcp://)?[^\s:/]+:[0-9]{1,5}")
-
-#: Each JSON option but ``kv_layout`` (checked against vLLM's names): the type its value must
-#: have (msgspec, strict: no str → int, no bool → int), a further check, and what is expected.
-_OPTION_TYPES: dict[str, tuple[Any, Callable[[Any], bool] | None, str]] = {
-    "transport": (_Text, None, "a non-empty string (a kvbridge.transports entry-point name)"),
-    "transport_options": (dict[str, Any], None, "an object (the transport's keyword options)"),
-    "mode": (Mode, None, "'pull' or 'push'"),
-    "host": (_Text, None, "a non-empty string (host name or IP address)"),
-    "port": (Annotated[int, msgspec.Meta(ge=1, le=65535)], None, "an integer 1-65535"),
-    "timeout": (_Seconds, math.isfinite, _SECONDS),
-    "lease": (_Seconds, math.isfinite, _SECONDS),
-    "secret": (_Text, None, "a non-empty string"),
-    "secret_file": (_Text, None, "a non-empty string (a file path)"),
-    "kv_split": (
-        _Text | None,
-        lambda v: v in (None, SPLIT_HEAD_KV, SPLIT_OPAQUE),
-        f"{SPLIT_HEAD_KV!r} or {SPLIT_OPAQUE!r}",
-    ),
-    "verify": (Verify, None, "'off', 'sample' or 'full'"),
-    "prefill_peers": (
-        tuple[_Text, ...],
-        lambda v: all(_PEER.fullmatch(e) and 1 <= int(e.rsplit(":", 1)[1]) <= 65535 for e in v),
-        "a list of prefill side channels, each 'host:port' (or 'tcp://host:port')",
-    ),
-}
-#: Options whose value is never shown: not in logs, errors nor ``repr(Options)``.
-_HIDDEN = frozenset({"secret"})
-_UNSET = object()
-
-
-def _shown(name: str, value: object) -> str:
-    """A value as an error shows it: one short line, a hidden option's only by its type."""
-    if name in _HIDDEN:
-        return f"<hidden {type(value).__name__}>"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _checked(name: str, value: object, origin: str | None = None, raw: object = _UNSET) -> Any:
-    """An option's value converted to its type, or one line naming what is wrong.
-
-    ``origin`` names the environment variable the value came from, ``raw`` its text.
-    """
-    kind, check, expected = _OPTION_TYPES[name]
-    try:
-        converted = msgspec.convert(value, type=kind, strict=True)
-        ok = check is None or check(converted)
-    except msgspec.ValidationError:
-        ok = False
-    if not ok:
-        shown = _shown(name, value if raw is _UNSET else raw)
-        where = f" (from {origin})" if origin else ""
-        raise ValueError(f"kvbridge option {name}={shown}{where}: expected {expected}")
-    return converted
-
-
-def _env(environ: Mapping[str, str], name: str) -> str | None:
-    """An environment variable, or ``None`` where it is unset; set but empty is an error."""
-    value = environ.get(name)
-    if value is not None and not value.strip():
-        raise ValueError(f"kvbridge: {name} is set but empty; unset it or give a value")
-    return value
-
-
-def _read_secret(path: str, origin: str) -> str:
-    """The secret in a file, without its trailing newline; errors name the file, never its text."""
-    try:
-        text = Path(path).read_bytes().decode()
-    except OSError as err:
-        problem = f"cannot read it ({err.strerror or type(err).__name__})"
-    except UnicodeDecodeError:
-        problem = "the file is not UTF-8 text"
-    else:
-        secret = text.rstrip("\r\n")
-        if secret:
-            return secret
-        problem = "the file is empty"
-    raise ValueError(f"kvbridge {origin}={path!r}: {problem}")
-
-
-def _secret(values: dict[str, Any], environ: Mapping[str, str]) -> str | None:
-    """The secret: from ``KVBRIDGE_SECRET``/``_FILE`` if set, else from ``secret``/``secret_file``.
-
-    Each layer takes one of the two; the environment replaces the JSON's whole choice.
-    """
-    given, path = values.pop("secret", None), values.pop("secret_file", None)
-    if given is not None and path is not None:
-        raise ValueError("kvbridge options secret and secret_file are both given: give one")
-    env_secret, env_path = _env(environ, ENV_SECRET), _env(environ, ENV_SECRET_FILE)
-    if env_secret is not None and env_path is not None:
-        raise ValueError(f"kvbridge: {ENV_SECRET} and {ENV_SECRET_FILE} are both set: set one")
-    if env_secret is None and env_path is None:
-        return given if path is None else _read_secret(path, "option secret_file")
-    if env_secret is not None:
-        origin, secret = ENV_SECRET, str(_checked("secret", env_secret, ENV_SECRET))
-    else:
-        origin = ENV_SECRET_FILE
-        secret = _read_secret(_checked("secret_file", env_path, ENV_SECRET_FILE), origin)
-    overridden = " instead of kv_connector_extra_config's" if given or path else ""
-    log.info("kvbridge: option secret from %s%s", origin, overridden)
-    return secret
-
-
-def _env_overrides(values: dict[str, Any], environ: Mapping[str, str]) -> None:
-    """``KVBRIDGE_HOST`` and ``KVBRIDGE_PORT`` set ``host`` and ``port`` over the JSON's."""
-    for name, variable in (("host", ENV_HOST), ("port", ENV_PORT)):
-        raw = _env(environ, variable)
-        if raw is None:
-            continue
-        text = raw.strip()
-        given: object = int(text) if name == "port" and re.fullmatch(r"[0-9]+", text) else text
-        value = _checked(name, given, variable, raw)
-        if name in values and values[name] != value:
-            log.info(
-                "kvbridge: option %s=%r from %s instead of kv_connector_extra_config's %r",
-                name,
-                value,
-                variable,
-                values[name],
-            )
-        values[name] = value
-
-
-@dataclass(frozen=True)
-class Options:
-    """The connector's options, read once from ``kv_connector_extra_config`` and the environment.
-
-    Build them with ``from_extra``, which checks every option; ``repr`` hides the secret.
-    """
-
-    transport: str = "mooncake"
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    mode: Mode = Mode.PULL
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    timeout: float = 10.0
-    lease: float = 30.0
-    secret: str | None = None
-    kv_split: str | None = None
-    kv_layout: str = "auto"
-    verify: Verify = Verify.OFF
-    #: D: the prefill side channels (``tcp://host:port``, as P publishes them) it handshakes
-    #: with at start, so the first request from each needs no handshake.
-    prefill_peers: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        shown = (
-            f"{name}={'***' if name in _HIDDEN and value is not None else repr(value)}"
-            for name, value in ((f, getattr(self, f)) for f in self.__dataclass_fields__)
-        )
-        return f"Options({', '.join(shown)})"
-
-    @classmethod
-    def from_extra(
-        cls,
-        extra: dict[str, Any] | None,
-        default_transport: str | None,
-        environ: Mapping[str, str] | None = None,
-    ) -> Options:
-        """The options of ``extra`` (vLLM's ``kv_connector_extra_config``), each checked.
-
-        ``KVBRIDGE_HOST``, ``KVBRIDGE_PORT`` and ``KVBRIDGE_SECRET``/``KVBRIDGE_SECRET_FILE`` of
-        ``environ`` (default: the process's) win over ``extra``. Raises a one-line
-        ``ValueError`` naming the first bad option, its value (never the secret's) and what is
-        expected.
-        """
-        extra = dict(extra or {})
-        environ = os.environ if environ is None else environ
-        known = set(cls.__dataclass_fields__) | {"secret_file"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kvbridge option(s) {unknown} in kv_connector_extra_config; "
-                f"known: {sorted(known)}"
-            )
-        values: dict[str, Any] = {
-            name: _layout_option(value) if name == "kv_layout" else _checked(name, value)
-            for name, value in extra.items()
-        }
-        if default_transport is not None:
-            # A per-transport connector name fixes the transport; a conflicting option is a bug.
-            given = values.setdefault("transport", default_transport)
-            if given != default_transport:
-                raise ValueError(
-                    f"connector for transport {default_transport!r} configured with "
-                    f"transport {given!r}"
-                )
-        _env_overrides(values, environ)
-        secret = _secret(values, environ)
-        if "prefill_peers" in values:  # the form P publishes its side channel in
-            values["prefill_peers"] = tuple(
-                e if e.startswith("tcp://") else f"tcp://{e}" for e in values["prefill_peers"]
-            )
-        options = cls(**values, secret=secret)
-        options.transport_timed()  # a conflicting transport_options.timeout fails at start too
-        return options
-
-    def transport_timed(self) -> dict[str, Any]:
-        """The transport's options with ``timeout`` set from the connector's one ``timeout``.
-
-        One bound for the whole transfer: the control plane's waits, the transport's deadline
-        and (Mooncake) the engine's own ``MC_TRANSFER_TIMEOUT``; two bounds that disagree let
-        a side give up while the other still moves bytes.
-        """
-        options = dict(self.transport_options)
-        given = options.setdefault("timeout", self.timeout)
-        number = isinstance(given, (int, float)) and not isinstance(given, bool)
-        if not number or float(given) != float(self.timeout):
-            raise ValueError(
-                f"kvbridge option transport_options.timeout={_shown('timeout', given)}: expected "
-                f"none or the connector's timeout ({self.timeout}); set only 'timeout' in "
-                "kv_connector_extra_config"
-            )
-        return options
-
-
-def refuse_unsupported_parallelism(vllm_config: Any) -> None:
-    """Stop the engine at start where kvbridge cannot move the KV right: pipeline parallelism,
-    sleep mode.
-
-    A pipeline stage holds only its layers; P and D stages would have to pair up layer by
-    layer, which the transfer parameters do not say. Tensor parallelism is supported (each TP
-    rank is a peer of its own; D's ranks load from the P ranks holding their slices). Sleep mode
-    frees the KV cache and maps it anew on wake-up, under the transport's registration and the
-    addresses peers plan with (``supports_sleep_mode`` says so to vLLM 0.33; 0.32 does not ask).
-    """
-    model = getattr(vllm_config, "model_config", None)
-    if model is not None and getattr(model, "enable_sleep_mode", False):
-        raise ValueError(SLEEP_MODE_REFUSED)
-    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
-    if size > 1:
-        raise ValueError(
-            f"kvbridge: pipeline_parallel_size={size} is not supported (P/D transfers between "
-            "pipeline stages are not implemented); run P and D with pipeline_parallel_size 1 "
-            "(tensor_parallel_size may differ between them)"
-        )
 
 
 def _tp(vllm_config: Any) -> tuple[int, int]:
@@ -344,55 +70,6 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), size
-
-
-def _layout_option(value: object) -> str:
-    """The ``kv_layout`` option checked against vLLM's layout names (case-insensitive)."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    names = [layout.name for layout in KVCacheLayout]
-    name = value.upper() if isinstance(value, str) else None
-    if name == "AUTO":
-        return "auto"
-    if name not in names:
-        raise ValueError(
-            f"kvbridge option kv_layout={_shown('kv_layout', value)}: expected 'auto' or one of "
-            f"vLLM's layouts {names}"
-        )
-    return name
-
-
-def required_layout(options: Options, use_mla: bool) -> str | None:
-    """The physical layout kvbridge asks vLLM for (``None``: vLLM's backends choose).
-
-    ``auto`` asks for LBHNC, as vLLM's own NIXL and Mooncake connectors do, except for MLA,
-    whose one latent head makes every layout move the same bytes. LBHNC keeps a layer's
-    kernel block one dense run (one descriptor per layer and run of blocks), lets vLLM split
-    blocks into kernel blocks for any backend, keeps each head's slice dense for transfers
-    between different TP sizes, and is the only layout vLLM's CPU backend allows. The
-    block-outermost BLHNC moves a run of blocks of every layer in one descriptor, but vLLM
-    cannot split its blocks into kernel blocks; ask for it explicitly where the backend takes
-    the manager block size. Whatever vLLM resolves (a backend or ``VLLM_KV_CACHE_LAYOUT`` may
-    override the wish), the layout is read from the caches and checked against the peer's.
-    """
-    if options.kv_layout != "auto":
-        return options.kv_layout
-    return None if use_mla else "LBHNC"
-
-
-def endpoint_of(options: Options, tp_rank: int = 0) -> str:
-    """The side-channel address of a TP rank's control plane (``port + tp_rank``)."""
-    host = f"[{options.host}]" if ":" in options.host else options.host
-    return f"tcp://{host}:{options.port + tp_rank}"
-
-
-def rank_addresses(options: Options, engine_id: str, tp_size: int) -> list[RankAddress]:
-    """How D reaches each of this engine's TP ranks: what the scheduler puts into the transfer
-    parameters before any worker exists (each worker binds ``port + tp_rank``)."""
-    return [
-        RankAddress(rank_engine_id(engine_id, rank, tp_size), endpoint_of(options, rank))
-        for rank in range(tp_size)
-    ]
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):

@@ -27,3 +27,15 @@ def test_scheduler_side_imports_no_control_plane(module: str) -> None:
     )
     loaded = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert not loaded, f"importing {module} loaded worker-only modules: {loaded}"
+
+
+def test_options_import_no_vllm_and_no_control_plane() -> None:
+    code = (
+        "import sys, kvbridge.adapters.vllm.options\n"
+        f"print(','.join(m for m in ('vllm', *{WORKER_ONLY!r}) if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    loaded = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert not loaded, f"importing the options loaded: {loaded}"

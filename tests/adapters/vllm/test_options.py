@@ -11,7 +11,8 @@ from vllm.config import VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvbridge.adapters.vllm.connector import KVBridgeConnector, Options
+from kvbridge.adapters.vllm.connector import KVBridgeConnector
+from kvbridge.adapters.vllm.options import Options
 from kvbridge.adapters.vllm.plugin import register
 from kvbridge.control.plane import Mode
 from kvbridge.core.integrity import Verify
@@ -334,7 +335,7 @@ def test_sleep_mode_is_refused_at_start_in_one_line() -> None:
     connector refuses too, before a worker registers anything."""
     from types import SimpleNamespace
 
-    from kvbridge.adapters.vllm.connector import SLEEP_MODE_REFUSED
+    from kvbridge.adapters.vllm.options import SLEEP_MODE_REFUSED
 
     register()
     ktc = KVTransferConfig(

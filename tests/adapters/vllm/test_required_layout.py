@@ -12,11 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvbridge.adapters.vllm.connector import (
-    KVBridgeConnector,
-    Options,
-    required_layout,
-)
+from kvbridge.adapters.vllm.connector import KVBridgeConnector
+from kvbridge.adapters.vllm.options import Options, required_layout
 from kvbridge.adapters.vllm.plugin import register
 from tests.adapters.vllm.vllm_caches import build_caches
 
