@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -120,6 +121,183 @@ def _byte_strides(tensor: torch.Tensor) -> list[int]:
     return [s * tensor.element_size() for s in tensor.stride()]
 
 
+@dataclass(frozen=True)
+class _View:
+    """One attention or MLA layer view ``[B*ratio, H, N, C]`` as ``_paged_tensors`` reads it."""
+
+    layer: str
+    group: CacheGroup
+    ratio: int
+    split: str
+    tp_rank: int
+    tp_size: int
+    total_kv_heads: int | None
+    heads: int
+    tokens: int
+    cell: int  # one token's content in one head, in bytes
+    strides: tuple[int, int, int, int]  # byte strides of block, head, token, content
+    base: int
+    alloc: tuple[int, int]
+
+    @property
+    def mla(self) -> bool:
+        return self.group.kind is GroupKind.MLA
+
+    @property
+    def token_split(self) -> bool:
+        """Whether a region may split into tokens: vLLM's CPU backend reads a head's [N, C] as
+        K of its N tokens, then V, so not there (MLA's latent has no K and V)."""
+        return self.split != SPLIT_HEAD_KV or self.mla
+
+    @property
+    def head_bytes(self) -> int:
+        """One head's [N, C] of a logical block."""
+        return self.tokens * self.cell * self.ratio
+
+
+def _read_view(
+    layer: str,
+    view: torch.Tensor,
+    group: CacheGroup,
+    ratio: int,
+    split: str,
+    tp_rank: int,
+    tp_size: int,
+    total_kv_heads: int | None,
+) -> _View:
+    """The view's geometry, checked: 4-D, one head slot for MLA, a token's content dense."""
+    if view.dim() != 4:
+        raise LayoutError(f"layer {layer!r}: expected a 4-D [B, H, N, C] view, got {view.shape}")
+    if group.kind is GroupKind.MLA and view.shape[1] != 1:
+        raise LayoutError(f"MLA layer {layer!r} has {view.shape[1]} head slots, expected 1")
+    _, heads, tokens, content = view.shape
+    s_block, s_head, s_token, s_content = _byte_strides(view)
+    esize = view.element_size()
+    if s_content != esize and content > 1:
+        raise LayoutError(
+            f"layer {layer!r}: a token's content is not one dense run ({_where(view)})"
+        )
+    return _View(
+        layer,
+        group,
+        ratio,
+        split,
+        tp_rank,
+        tp_size,
+        total_kv_heads,
+        heads,
+        tokens,
+        content * esize,
+        (s_block, s_head, s_token, s_content),
+        int(view.data_ptr()),
+        _allocation(view),
+    )
+
+
+def _where(view: torch.Tensor) -> str:
+    return f"shape {tuple(view.shape)}, byte strides {tuple(_byte_strides(view))}"
+
+
+def _block_order(v: _View) -> tuple[list[tuple[str, int, int]], list[bool]]:
+    """The axes inside a kernel block other than C, outermost first, and whether each is dense
+    (innermost first).
+
+    Size-1 axes take no part, but for a rank's one KV head of several (TP): its blocks must
+    read as a slice of the model's [H, N, C], [N, H, C] or per-head blocks, which its strides
+    tell (tokens outer on a tie: [N, 1, C] has both strides one cell).
+    """
+    _, s_head, s_token, _ = v.strides
+    one_of_many = (
+        not v.mla and v.heads == 1 and v.total_kv_heads is not None and v.total_kv_heads > 1
+    )
+    axes = (("H", v.heads, s_head), ("N", v.tokens, s_token))
+    inner = sorted(
+        (axis for axis in axes if axis[1] > 1 or (one_of_many and axis[0] == "H")),
+        key=lambda axis: (-axis[2], axis[0] != "N"),
+    )
+    dense, expected = [], v.cell
+    for _, size, stride in reversed(inner):
+        dense.append(stride == expected)
+        expected *= size
+    return inner, dense
+
+
+def _whole_block_tensor(v: _View, inner: list[tuple[str, int, int]]) -> tuple[CacheTensor, str]:
+    """A layer whose kernel block is one dense run: one region, moved whole."""
+    s_block, _, s_token, _ = v.strides
+    order = "".join(name for name, _, _ in inner) + "C"
+    # A whole block lists tokens in order when no head axis of more than one head precedes.
+    tokens_first = "".join(name for name, size, _ in inner if size > 1).startswith("N")
+    block_bytes = v.heads * v.tokens * v.cell
+    shards: list[Shard] | None = None
+    if v.mla:
+        shards = mla_shards(block_bytes * v.ratio, v.tp_rank, v.tp_size)
+    elif v.total_kv_heads is not None:
+        # Heads outermost ([H, N, C]): a head's [N, C] is one run of each block. Tokens
+        # outermost ([N, H, C]): a head is one cell in each of the N rows (per kernel block).
+        rows = v.tokens if "H" in order and order.startswith("N") else 1
+        shards = attention_shards(
+            v.total_kv_heads,
+            v.tp_rank,
+            v.tp_size,
+            v.cell * v.ratio if rows > 1 else v.head_bytes,
+            token_major=v.token_split and rows == 1,
+        )
+        if rows > 1:
+            shards = [
+                msgspec.structs.replace(s, rows=rows, row_stride=s_token * v.ratio) for s in shards
+            ]
+    tensor = CacheTensor(
+        v.layer,
+        v.group.index,
+        v.base,
+        s_block * v.ratio,
+        block_bytes * v.ratio,
+        kv_layout=KVLayout.WHOLE,
+        alloc_addr=v.alloc[0],
+        alloc_size=v.alloc[1],
+        token_major=v.token_split and tokens_first,
+        shards=msgspec.UNSET if shards is None else shards,
+    )
+    return tensor, f"[{','.join(order)}] {v.split}"
+
+
+def _per_head_tensors(v: _View) -> list[CacheTensor]:
+    """A layer where only each head's [N, C] is one dense run: one tensor per head, named by
+    its global head, a count-1 shard each."""
+    s_block, s_head, _, _ = v.strides
+    per_head: list[tuple[str, list[Shard] | msgspec.UnsetType]] = [
+        (f"h{h}", msgspec.UNSET) for h in range(v.heads)
+    ]
+    if v.total_kv_heads is not None:
+        [rank_shard] = attention_shards(
+            v.total_kv_heads, v.tp_rank, v.tp_size, v.head_bytes, token_major=v.token_split
+        )
+        per_head = [
+            (
+                f"h{rank_shard.start + h}",
+                [msgspec.structs.replace(rank_shard, start=rank_shard.start + h, count=1)],
+            )
+            for h in range(v.heads)
+        ]
+    return [
+        CacheTensor(
+            v.layer,
+            v.group.index,
+            v.base + h * s_head,
+            s_block * v.ratio,
+            v.head_bytes,
+            kv_layout=KVLayout.WHOLE,
+            tensor=name,
+            alloc_addr=v.alloc[0],
+            alloc_size=v.alloc[1],
+            token_major=v.token_split,
+            shards=head_shards,
+        )
+        for h, (name, head_shards) in enumerate(per_head)
+    ]
+
+
 def _paged_tensors(
     layer: str,
     view: torch.Tensor,
@@ -146,110 +324,17 @@ def _paged_tensors(
     tokens are outermost (``[N, H, C]`` with several heads) a head is one cell in each token's
     row: such shards have ``rows``, which the TP planner refuses to slice.
     """
-    if view.dim() != 4:
-        raise LayoutError(f"layer {layer!r}: expected a 4-D [B, H, N, C] view, got {view.shape}")
-    if group.kind is GroupKind.MLA and view.shape[1] != 1:
-        raise LayoutError(f"MLA layer {layer!r} has {view.shape[1]} head slots, expected 1")
-    _, heads, tokens, content = view.shape
-    mla = group.kind is GroupKind.MLA
-    s_block, s_head, s_token, s_content = _byte_strides(view)
-    esize = view.element_size()
-    cell = content * esize  # one token's content in one head
-    where = f"shape {tuple(view.shape)}, byte strides {(s_block, s_head, s_token, s_content)}"
-    if s_content != esize and content > 1:
-        raise LayoutError(f"layer {layer!r}: a token's content is not one dense run ({where})")
-    # Axes inside a kernel block other than C, outermost first; size-1 axes take no part,
-    # but for a rank's one KV head of several (TP): its blocks must read as a slice of the
-    # model's [H, N, C], [N, H, C] or per-head blocks, which its strides tell (tokens outer
-    # on a tie: [N, 1, C] has both strides one cell).
-    one_of_many = not mla and heads == 1 and total_kv_heads is not None and total_kv_heads > 1
-    axes = (("H", heads, s_head), ("N", tokens, s_token))
-    inner = sorted(
-        (axis for axis in axes if axis[1] > 1 or (one_of_many and axis[0] == "H")),
-        key=lambda axis: (-axis[2], axis[0] != "N"),
-    )
-    dense, expected = [], cell
-    for _, size, stride in reversed(inner):
-        dense.append(stride == expected)
-        expected *= size
-    order = "".join(name for name, _, _ in inner) + "C"
-    # A whole block lists tokens in order when no head axis of more than one head precedes.
-    tokens_first = "".join(name for name, size, _ in inner if size > 1).startswith("N")
-    alloc_addr, alloc_size = _allocation(view)
-    base = int(view.data_ptr())
-    # vLLM's CPU backend reads a head's [N, C] as K of its N tokens, then V: not token-major.
-    token_split = split != SPLIT_HEAD_KV or group.kind is GroupKind.MLA
-    head_bytes = tokens * cell * ratio  # one head's [N, C] of a logical block
+    v = _read_view(layer, view, group, ratio, split, tp_rank, tp_size, total_kv_heads)
+    inner, dense = _block_order(v)
     if all(dense):
-        block_bytes = heads * tokens * cell
-        shards: list[Shard] | None = None
-        if mla:
-            shards = mla_shards(block_bytes * ratio, tp_rank, tp_size)
-        elif total_kv_heads is not None:
-            # Heads outermost ([H, N, C]): a head's [N, C] is one run of each block. Tokens
-            # outermost ([N, H, C]): a head is one cell in each of the N rows (per kernel block).
-            rows = tokens if "H" in order and order.startswith("N") else 1
-            shards = attention_shards(
-                total_kv_heads,
-                tp_rank,
-                tp_size,
-                cell * ratio if rows > 1 else head_bytes,
-                token_major=token_split and rows == 1,
-            )
-            if rows > 1:
-                shards = [
-                    msgspec.structs.replace(s, rows=rows, row_stride=s_token * ratio)
-                    for s in shards
-                ]
-        tensor = CacheTensor(
-            layer,
-            group.index,
-            base,
-            s_block * ratio,
-            block_bytes * ratio,
-            kv_layout=KVLayout.WHOLE,
-            alloc_addr=alloc_addr,
-            alloc_size=alloc_size,
-            token_major=token_split and tokens_first,
-            shards=msgspec.UNSET if shards is None else shards,
-        )
-        return [tensor], f"[{','.join(order)}] {split}"
-    if s_token == cell or tokens == 1:
-        # One tensor per head, named by its global head: a count-1 shard each.
-        per_head: list[tuple[str, list[Shard] | msgspec.UnsetType]] = [
-            (f"h{h}", msgspec.UNSET) for h in range(heads)
-        ]
-        if total_kv_heads is not None:
-            [rank_shard] = attention_shards(
-                total_kv_heads, tp_rank, tp_size, head_bytes, token_major=token_split
-            )
-            per_head = [
-                (
-                    f"h{rank_shard.start + h}",
-                    [msgspec.structs.replace(rank_shard, start=rank_shard.start + h, count=1)],
-                )
-                for h in range(heads)
-            ]
-        head_tensors = [
-            CacheTensor(
-                layer,
-                group.index,
-                base + h * s_head,
-                s_block * ratio,
-                head_bytes,
-                kv_layout=KVLayout.WHOLE,
-                tensor=name,
-                alloc_addr=alloc_addr,
-                alloc_size=alloc_size,
-                token_major=token_split,
-                shards=head_shards,
-            )
-            for h, (name, head_shards) in enumerate(per_head)
-        ]
-        return head_tensors, f"per head [N,C] {split}"
+        tensor, fmt = _whole_block_tensor(v, inner)
+        return [tensor], fmt
+    _, _, s_token, _ = v.strides
+    if s_token == v.cell or v.tokens == 1:
+        return _per_head_tensors(v), f"per head [N,C] {v.split}"
     raise LayoutError(
         f"layer {layer!r}: neither a kernel block nor a head's slice of it is one dense run "
-        f"({where}); kvbridge cannot move this layout"
+        f"({_where(view)}); kvbridge cannot move this layout"
     )
 
 
@@ -408,6 +493,46 @@ def _state_tensors(
     return tensors
 
 
+def _cache_group(
+    index: int, spec: Any, kind: GroupKind, first: torch.Tensor, first_name: str, num_blocks: int
+) -> tuple[CacheGroup, int]:
+    """A vLLM cache group as a core ``CacheGroup``, and its kernel ratio (kernel blocks per
+    block), read from the group's first registered view: its dim 0 counts kernel blocks."""
+    ratio = 1
+    if kind.paged:
+        if first.shape[0] % num_blocks:
+            raise LayoutError(
+                f"layer {first_name!r}: {first.shape[0]} kernel blocks are not a multiple "
+                f"of the {num_blocks} blocks of the pool"
+            )
+        ratio = first.shape[0] // num_blocks
+    block_size = int(spec.block_size)
+    group = CacheGroup(
+        index=index,
+        kind=kind,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kernel_block_size=block_size // ratio if kind.paged else None,
+        sliding_window=int(spec.sliding_window) if kind is GroupKind.SLIDING_WINDOW else None,
+    )
+    return group, ratio
+
+
+def _refuse_aliased(
+    by_group: dict[int, list[list[CacheTensor]]], num_blocks: int, engine_layout: str | None
+) -> None:
+    """Refuse a layout where one group's block ids overlay other block ids of another group."""
+    scattered = _aliased_layer(by_group, num_blocks)
+    if scattered is not None:
+        raise LayoutError(
+            f"the KV cache layout {engine_layout or '(unnamed)'} spreads each block of layer "
+            f"{scattered!r} over head slices further apart than a block, where another cache "
+            "group lays out the same bytes differently: a block id of one group then holds "
+            "bytes of other block ids of the other group (they overlay the same buffer), so no "
+            "transfer can be right; use LBHNC (kv_layout 'auto') or a block-outermost layout"
+        )
+
+
 def build_layout_spec(
     kv_cache_config: Any,
     kv_caches: Mapping[str, torch.Tensor],
@@ -459,25 +584,7 @@ def build_layout_spec(
         layers = [name for name in group_spec.layer_names if name in kv_caches]
         if not layers:
             continue
-        first = kv_caches[layers[0]]
-        # The kernel ratio comes from the registered view: dim 0 counts kernel blocks.
-        ratio = 1
-        if kind.paged:
-            if first.shape[0] % num_blocks:
-                raise LayoutError(
-                    f"layer {layers[0]!r}: {first.shape[0]} kernel blocks are not a multiple "
-                    f"of the {num_blocks} blocks of the pool"
-                )
-            ratio = first.shape[0] // num_blocks
-        block_size = int(spec.block_size)
-        group = CacheGroup(
-            index=index,
-            kind=kind,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kernel_block_size=block_size // ratio if kind.paged else None,
-            sliding_window=int(spec.sliding_window) if kind is GroupKind.SLIDING_WINDOW else None,
-        )
+        group, ratio = _cache_group(index, spec, kind, kv_caches[layers[0]], layers[0], num_blocks)
         groups.append(group)
         for layer in layers:
             view = kv_caches[layer]
@@ -510,15 +617,7 @@ def build_layout_spec(
                 by_group.setdefault(index, []).append(layer_tensors)
     if not groups:
         raise LayoutError("vLLM registered no cache tensor that kvbridge can transfer")
-    scattered = _aliased_layer(by_group, num_blocks)
-    if scattered is not None:
-        raise LayoutError(
-            f"the KV cache layout {engine_layout or '(unnamed)'} spreads each block of layer "
-            f"{scattered!r} over head slices further apart than a block, where another cache "
-            "group lays out the same bytes differently: a block id of one group then holds "
-            "bytes of other block ids of the other group (they overlay the same buffer), so no "
-            "transfer can be right; use LBHNC (kv_layout 'auto') or a block-outermost layout"
-        )
+    _refuse_aliased(by_group, num_blocks, engine_layout)
     # The layout's dtype names what the attention caches hold (a STATE-only model: its first
     # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
     dtype = next(iter(paged_dtypes or dtypes), "bfloat16")
