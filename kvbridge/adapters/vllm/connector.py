@@ -184,10 +184,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self.worker.apply(meta.plan)
 
-    def apply(self, plan: StepPlan) -> None:
-        """Start what the scheduler decided; every call here returns without waiting."""
-        self.worker.apply(plan)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous
 

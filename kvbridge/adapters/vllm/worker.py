@@ -21,7 +21,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.transpose import transpose_received
 from kvbridge.control.requests import Mode, TransferParams, rank_engine_id
 from kvbridge.core.layout import Layout
-from kvbridge.core.registry import load_transport, load_transport_class
+from kvbridge.core.registry import load_transport_class
 from kvbridge.core.transpose import Transpose
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class ConnectorWorker:
             # The transport announces the address peers reach it at: the side channel's host
             # unless the transport's own option says otherwise.
             options.setdefault(transport_cls.host_option, self.options.host)
-        transport = load_transport(self.options.transport, **options)
+        transport = transport_cls(**options)
         # Imported here: the scheduler process loads this module too and needs no zmq plane.
         from kvbridge.control.plane import ControlPlane
 
