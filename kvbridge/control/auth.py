@@ -35,3 +35,17 @@ def client_proof(secret: bytes | None, client_nonce: bytes, server_nonce: bytes)
 def verify(expected: bytes, received: bytes) -> bool:
     """Constant-time comparison."""
     return hmac.compare_digest(expected, received)
+
+
+#: Bytes of randomness in a request's capability token (``TransferParams.token``).
+TOKEN_BYTES = 24
+
+
+def new_token() -> str:
+    """A fresh capability token for one request: unguessable, URL- and JSON-safe."""
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def token_matches(expected: str, received: str) -> bool:
+    """Whether a peer's token is the request's (constant time; an empty one never is)."""
+    return bool(expected) and hmac.compare_digest(expected.encode(), received.encode())

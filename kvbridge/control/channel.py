@@ -2,7 +2,10 @@
 
 The endpoint serves requests in its own thread and keeps serving whatever a peer sends: a message
 that cannot be decoded, is too large or arrives before the peer authenticated gets an
-``ErrorReply`` and a log line. Clients make request/reply calls, each bounded by a timeout.
+``ErrorReply`` and a log line naming the peer's engine id and address (rate-limited:
+``refusals.RefusalLog``). Failed authentication is logged on both sides: a client whose check
+of the server's proof fails tells the server so (``AuthRefused``) before it gives up. Clients
+make request/reply calls, each bounded by a timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvbridge.control import auth
 from kvbridge.control.messages import (
     MAX_MESSAGE_BYTES,
     Auth,
+    AuthRefused,
     Challenge,
     ErrorReply,
     Hello,
@@ -33,6 +37,7 @@ from kvbridge.control.messages import (
     decode,
     encode,
 )
+from kvbridge.control.refusals import RefusalLog
 from kvbridge.core.errors import (
     ControlError,
     KvbridgeError,
@@ -63,6 +68,8 @@ class _Session:
     client_nonce: bytes = b""
     server_nonce: bytes = b""
     authenticated: bool = False
+    #: the peer's network address as the socket saw it ("" when unknown)
+    address: str = ""
 
 
 class Endpoint:
@@ -90,6 +97,7 @@ class Endpoint:
         self._secret = secret
         self._on_tick = on_tick
         self._tick = tick
+        self._refusals = RefusalLog(log)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -148,12 +156,12 @@ class Endpoint:
                 self._socket.send_multipart(list(self._ready.popleft()))
             if self._socket in events:
                 try:
-                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue
                 if len(frames) == 2:
-                    identity, payload = frames
-                    reply = self._answer(identity, payload)
+                    identity, payload = frames[0].bytes, frames[1].bytes
+                    reply = self._answer(identity, payload, _peer_address(frames[1]))
                     if reply is not None:
                         self._socket.send_multipart([identity, reply])
                 else:
@@ -165,25 +173,32 @@ class Endpoint:
                 except Exception:
                     log.exception("side channel: housekeeping failed")
 
-    def _answer(self, identity: bytes, payload: bytes) -> bytes | None:
+    def _answer(self, identity: bytes, payload: bytes, address: str = "") -> bytes | None:
         """The encoded reply, or None when the handler answers later (a ``Future``)."""
         seq = 0
+        before = self._sessions.get(identity)  # a failed login drops the session: name it still
         try:
             envelope = decode(payload)
             seq = envelope.seq
-            body = self._dispatch(identity, envelope.body)
+            body = self._dispatch(identity, envelope.body, address)
             if isinstance(body, Future):
                 body.add_done_callback(lambda done: self._deferred(identity, seq, done))
                 return None
             return encode(seq, body)
         except Exception as err:
-            return self._refusal(seq, err)
+            return self._refusal(seq, err, self._who(identity, address, before))
+
+    def _who(self, identity: bytes, address: str, session: _Session | None = None) -> str:
+        """The peer as a log line names it: its engine id (once it said it) and address."""
+        session = self._sessions.get(identity) or session
+        engine = repr(session.engine_id) if session is not None and session.engine_id else "?"
+        return f"{engine} at {address or (session.address if session else '') or 'unknown'}"
 
     def _deferred(self, identity: bytes, seq: int, done: Future[Message]) -> None:
         try:
             reply = encode(seq, done.result())
         except Exception as err:
-            reply = self._refusal(seq, err)
+            reply = self._refusal(seq, err, self._who(identity, ""))
         with self._wake_lock:
             if self._wake_w < 0:  # closed: the endpoint answers nothing any more
                 return
@@ -191,10 +206,13 @@ class Endpoint:
             with contextlib.suppress(BlockingIOError):  # full: the loop is awake anyway
                 os.write(self._wake_w, b"x")
 
-    @staticmethod
-    def _refusal(seq: int, err: Exception) -> bytes:
+    def _refusal(self, seq: int, err: Exception, peer: str) -> bytes:
         if isinstance(err, MessageError):
-            log.warning("side channel: refused a message (%s): %s", err.code, err)
+            self._refusals.warning(
+                err.code,
+                peer,
+                f"side channel: refused a message from peer {peer} ({err.code}): {err}",
+            )
             return encode(seq, ErrorReply(err.code, str(err)))
         if isinstance(err, KvbridgeError):
             log.info("side channel: refused a request: %s", err)
@@ -203,10 +221,12 @@ class Endpoint:
         log.error("side channel: handler failed", exc_info=err)
         return encode(seq, ErrorReply("internal", f"{type(err).__name__}: {err}"))
 
-    def _dispatch(self, identity: bytes, body: Message) -> Message | Future[Message]:
+    def _dispatch(
+        self, identity: bytes, body: Message, address: str = ""
+    ) -> Message | Future[Message]:
         session = self._sessions.get(identity)
         if isinstance(body, Hello):
-            session = _Session(body.engine_id, body.nonce, auth.new_nonce())
+            session = _Session(body.engine_id, body.nonce, auth.new_nonce(), address=address)
             if len(self._sessions) > 4096:  # bound the table against connection floods
                 self._sessions.pop(next(iter(self._sessions)))
             self._sessions[identity] = session
@@ -218,10 +238,23 @@ class Endpoint:
             expected = auth.client_proof(self._secret, session.client_nonce, session.server_nonce)
             if not auth.verify(expected, body.proof):
                 self._sessions.pop(identity, None)
-                log.warning("side channel: peer %r failed authentication", session.engine_id)
-                raise MessageError("auth_failed", "authentication failed: wrong shared secret")
+                # logged with the peer's address by ``_refusal``, like every refusal
+                raise MessageError(
+                    "auth_failed",
+                    "authentication failed: the peer's proof does not match this engine's "
+                    "secret (a different secret, or a secret set on one side only)",
+                )
             session.authenticated = True
             return Ok()
+        if isinstance(body, AuthRefused):
+            if session is None:
+                raise MessageError("unauthenticated", "send hello before auth")
+            self._sessions.pop(identity, None)
+            raise MessageError(
+                "auth_failed",
+                "the peer found this engine's proof wrong: a different secret, or a secret "
+                f"set on one side only ({body.reason[:200]})",
+            )
         if session is None or not session.authenticated:
             raise MessageError("unauthenticated", "authenticate (hello, auth) before any request")
         return self._handler(session.engine_id, body)
@@ -316,6 +349,13 @@ class PeerClient:
             raise ControlError("protocol", f"expected a challenge from {self.address}")
         expected = auth.server_proof(self._secret, nonce, challenge.nonce)
         if not auth.verify(expected, challenge.proof):
+            # Tell the server, so that its log shows the failure too; no proof of ours goes out
+            # to an engine that did not prove itself. Best effort, within a short bound.
+            with contextlib.suppress(Exception):
+                left = min(0.5, max(0.0, deadline - time.monotonic()))
+                self._call(
+                    AuthRefused("the server's proof did not verify"), time.monotonic() + left
+                )
             raise ControlError(
                 "auth_failed",
                 f"the engine at {self.address} failed authentication (wrong shared secret, or a "
@@ -355,6 +395,14 @@ class PeerClient:
             if isinstance(reply, ErrorReply):
                 raise ControlError(reply.code, f"{self.address} refused: {reply.message}")
             return reply
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sender's IP address, as zmq saw the TCP connection ("" when it cannot say)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return ""
 
 
 def _bracket(host: str) -> str:

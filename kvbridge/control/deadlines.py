@@ -23,12 +23,19 @@ class Deadlines:
     lease: float = 30.0
     #: how long a handshake with a P rank retries before it fails
     handshake_timeout: float = 10.0
+    #: how long P holds a published request no D rank claimed (None: ``claim`` derives it)
+    claim_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout", "lease", "handshake_timeout"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
+        if self.claim_timeout is not None and not 0 < self.claim_timeout <= self.lease:
+            raise ValueError(
+                f"claim_timeout must be > 0 and at most the lease ({self.lease:g} s), got "
+                f"{self.claim_timeout!r}"
+            )
         if self.lease < self.read_hold:
             raise ValueError(
                 f"lease ({self.lease:g} s) must be at least twice the timeout "
@@ -54,6 +61,17 @@ class Deadlines:
         timeout, and its engine as long again to give the read back. Hence ``lease`` is at
         least this (the blocks must outlive a read that started right after publishing)."""
         return 2 * self.timeout
+
+    @property
+    def claim(self) -> float:
+        """P frees a published request that no D rank claimed (``PullStart``, ``PushRequest``,
+        a release) this long after publishing: an unclaimed hold ends sooner than a claimed one
+        (``lease``), so prefills nobody reads cost P's memory for less time. By default half
+        the lease, but never less than a D's first contact can take (a handshake, then one
+        call), nor more than the lease."""
+        if self.claim_timeout is not None:
+            return self.claim_timeout
+        return min(self.lease, max(self.lease / 2, self.handshake_timeout + self.timeout))
 
     @property
     def load(self) -> float:

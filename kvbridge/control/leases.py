@@ -1,8 +1,14 @@
 """The prefill side (P): leases on published requests' blocks, and the pushes P runs.
 
 P holds a published request's blocks under a lease until D releases them (pull), P's push ended
-(push), D aborted, or the lease expired. A push D asks for before P published is kept until it
-does. How each push ended is remembered a while, so that D can ask again (``PushQuery``).
+(push), D aborted, or the lease expired; a lease no D rank claimed ends sooner (``claim``). A
+push D asks for before P published is kept until it does. How each push ended is remembered a
+while, so that D can ask again (``PushQuery``).
+
+Every request D sends about a request carries its capability token (``TransferParams.token``,
+made here at publish): P answers a claim, a release, an abort, a push or a digest of it only to
+the token's bearer, so an engine that knows the shared secret and a request id, but not the
+token P handed out with the request's parameters, gets nothing (refused, code ``token``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.control import auth
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.messages import (
@@ -76,6 +83,8 @@ class _Lease:
 
     params: TransferParams
     expires_at: float
+    #: when P published it (a claimed lease lasts at least ``lease`` from here)
+    published_at: float = 0.0
     #: the D ranks that end this lease (``reporting_ranks``), known from the first D rank's word
     expected: range | None = None
     readers: dict[int, _Reader] = field(default_factory=dict)
@@ -108,18 +117,27 @@ class Leases:
         self._lock = ctx.lock
         self._leases: dict[str, _Lease] = {}
         # Pushes D ranks asked for before P published: (D, its request, until when), by
-        # (request id, D rank).
-        self._pending_push: dict[tuple[str, int], tuple[RemoteEngine, PushRequest, float]] = {}
-        # How finished pushes ended (D may ask again), by (request id, D rank), and requests D
-        # withdrew before P saw them (a late PushRequest or PullStart for them is refused);
-        # both until the time given.
-        self._push_results: dict[tuple[str, int], tuple[PushDone, float]] = {}
-        self._withdrawn: dict[str, float] = {}
+        # (request id, D rank, token): a push with another token cannot crowd out the bearer's.
+        self._pending_push: dict[tuple[str, int, str], tuple[RemoteEngine, PushRequest, float]] = {}
+        # How finished pushes ended (D may ask again), by (request id, D rank), with the
+        # request's token, and requests D withdrew before P saw them, by (request id, token)
+        # (a late PushRequest or PullStart for them is refused); both until the time given.
+        self._push_results: dict[tuple[str, int], tuple[PushDone, float, str]] = {}
+        self._withdrawn: dict[tuple[str, str], float] = {}
 
     def publish(
-        self, request_id: str, block_ids: Mapping[int, Any], num_tokens: int, mode: Mode
+        self,
+        request_id: str,
+        block_ids: Mapping[int, Any],
+        num_tokens: int,
+        mode: Mode,
+        token: str | None = None,
     ) -> TransferParams:
-        """Hold a prefilled request's blocks under a lease; return what D needs to fetch them."""
+        """Hold a prefilled request's blocks under a lease; return what D needs to fetch them.
+
+        ``token``: the request's capability (``TransferParams.token``), when the caller made
+        it (a serving engine's scheduler, the same for every TP rank); a fresh one otherwise.
+        """
         ctx = self._ctx
         ids = checked_ids(ctx.layout, block_ids, "published")
         params = TransferParams(
@@ -130,20 +148,32 @@ class Leases:
             num_tokens,
             ctx.transport.name,
             Mode(mode),
+            token=token or auth.new_token(),
         )
+        token = params.token
         with self._lock:
             if request_id in self._leases:
                 raise KvbridgeError(f"request {request_id!r} is already published")
-            if request_id in self._withdrawn:
+            if (request_id, token) in self._withdrawn:
                 # D gave it up before this engine published it: nobody will read the blocks.
                 reason = "aborted by decode before it was published"
                 ctx.record(RequestOutcome(request_id, False, reason, RequestStats()))
                 log.debug("request %s: %s; blocks freed", request_id, reason)
                 return params
-            lease = _Lease(params, time.monotonic() + ctx.deadlines.lease)
+            now = time.monotonic()
+            lease = _Lease(params, now + ctx.deadlines.claim, published_at=now)
             self._leases[request_id] = lease
             waiting = sorted(key for key in self._pending_push if key[0] == request_id)
-            pushes = [self._pending_push.pop(key) for key in waiting]
+            asked = [(key, self._pending_push.pop(key)) for key in waiting]
+            pushes = [push for key, push in asked if auth.token_matches(token, key[2])]
+            for key, (remote, _, _) in asked:
+                if not auth.token_matches(token, key[2]):
+                    log.warning(
+                        "request %s: refused a push asked by %r before publish: wrong "
+                        "capability token",
+                        request_id,
+                        remote.engine_id,
+                    )
             starts = [(self._join(lease, push[1]), push) for push in pushes]
         log.debug(
             "request %s: published (%s)",
@@ -172,16 +202,18 @@ class Leases:
                 for r, lease in self._leases.items()
                 if lease.expires_at < now and not lease.pushing
             ]
+            unclaimed = {r for r in expired if not self._leases[r].readers}
             forget_expired(self._pending_push, now, lambda pushed: pushed[2])
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
+        deadlines = self._ctx.deadlines
         for rid in expired:
-            self._free(
-                rid,
-                False,
-                f"lease of {self._ctx.deadlines.lease:g} s expired before decode released it",
-                RequestStats(lease_expired=True),
-            )
+            if rid in unclaimed:
+                reason = f"no decode claimed it within {deadlines.claim:g} s of publishing"
+            else:
+                reason = f"lease of {deadlines.lease:g} s expired before decode released it"
+            stats = RequestStats(lease_expired=True, unclaimed=rid in unclaimed)
+            self._free(rid, False, reason, stats)
 
     def close(self) -> None:
         """Free every lease (the plane is closing)."""
@@ -219,6 +251,12 @@ class Leases:
         lease.expected = expected
         reader = _Reader(lease, peer, rank=body.rank)
         lease.readers[body.rank] = reader
+        # Claimed: the lease runs its full length from publishing (an unclaimed one ends at
+        # ``claim``), and the blocks outlive D's read and its engine giving it back.
+        hold = time.monotonic() + self._ctx.deadlines.read_hold
+        lease.expires_at = max(
+            lease.expires_at, lease.published_at + self._ctx.deadlines.lease, hold
+        )
         return reader
 
     def on_pull_start(self, peer: str, body: PullStart) -> Message:
@@ -226,13 +264,11 @@ class Leases:
             lease = self._leases.get(body.request_id)
             if lease is None:
                 raise _unknown(body.request_id)
+            _require_token(lease, body)
             if any(r.pushing for r in lease.readers.values()):
                 raise MessageError("duplicate", f"request {body.request_id!r} is already taken")
             _require_subset(body.block_ids, lease.params.block_ids, body.request_id)
             self._join(lease, body, peer)
-            # The blocks outlive D's read and its engine giving it back (``read_hold``).
-            hold = time.monotonic() + self._ctx.deadlines.read_hold
-            lease.expires_at = max(lease.expires_at, hold)
         return Ok()
 
     def on_release(self, peer: str, body: Release) -> Message:
@@ -240,6 +276,7 @@ class Leases:
             lease = self._leases.get(body.request_id)
             if lease is None:
                 raise _unknown(body.request_id)
+            _require_token(lease, body)
             reader = lease.readers.get(body.rank)
             if reader is None:  # a D rank that read nothing here: its word ends its part
                 reader = self._join(lease, body, peer)
@@ -262,6 +299,7 @@ class Leases:
             remote = self._peers.peer(peer)
             if lease is None or reader is None or reader.engine_id != peer or remote is None:
                 raise _unknown(body.request_id)
+            _require_token(lease, body)
             src_ids = lease.params.block_ids
         try:
             check = Verify(body.verify)
@@ -276,15 +314,17 @@ class Leases:
         return self._ctx.digests.submit(lambda: Digest(plan_digest(plan, "src", check, rid)))
 
     def on_abort(self, body: Abort) -> None:
-        rid = body.request_id
+        rid, token = body.request_id, body.token
         with self._lock:
-            for key in [k for k in self._pending_push if k[0] == rid]:
+            for key in [k for k in self._pending_push if k[0] == rid and k[2] == token]:
                 del self._pending_push[key]
             lease = self._leases.get(rid)
             if lease is None:
-                if not any(k[0] == rid for k in self._push_results):
-                    self._withdrawn[rid] = time.monotonic() + self._ctx.deadlines.remember
+                if token and not any(k[0] == rid for k in self._push_results):
+                    # Only the bearer's abort withdraws it (checked when P publishes).
+                    self._withdrawn[(rid, token)] = time.monotonic() + self._ctx.deadlines.remember
                 return
+            _require_token(lease, body)
             lease.aborted = True  # push workers fence their writes, then end their parts
             handles = [r.handle for r in lease.readers.values() if r.pushing and r.handle]
             pushing = lease.pushing
@@ -298,10 +338,15 @@ class Leases:
         with self._lock:
             result = self._push_results.get((rid, body.rank))
             if result is not None:
+                if not auth.token_matches(result[2], body.token):
+                    raise _wrong_token(rid)
                 return result[0]
             lease = self._leases.get(rid)
+            if lease is not None:
+                _require_token(lease, body)
             reader = lease.readers.get(body.rank) if lease is not None else None
-            if (rid, body.rank) in self._pending_push or (reader is not None and reader.pushing):
+            pending = (rid, body.rank, body.token) in self._pending_push
+            if pending or (reader is not None and reader.pushing):
                 return Ok()  # may still write
         raise _unknown(rid)
 
@@ -311,16 +356,20 @@ class Leases:
             remote = self._peers.peer(peer)
             if remote is None:
                 raise MessageError("no_handshake", "handshake before requesting a push")
-            if rid in self._withdrawn or (rid, body.rank) in self._push_results:
+            lease = self._leases.get(rid)
+            if lease is not None:
+                _require_token(lease, body)
+            withdrawn = (rid, body.token) in self._withdrawn
+            if withdrawn or (rid, body.rank) in self._push_results:
                 raise MessageError("withdrawn", f"request {rid!r} was aborted or already pushed")
             body.block_ids = checked_ids(remote.layout, body.block_ids, "destination")
-            lease = self._leases.get(rid)
             if lease is None:
-                if (rid, body.rank) in self._pending_push:
+                key = (rid, body.rank, body.token)
+                if key in self._pending_push:
                     raise MessageError("duplicate", f"push of {rid!r} requested twice")
-                # P has not finished prefilling yet: write once it publishes.
+                # P has not finished prefilling yet: write once it publishes (with this token).
                 until = time.monotonic() + self._ctx.deadlines.remember
-                self._pending_push[(rid, body.rank)] = (remote, body, until)
+                self._pending_push[key] = (remote, body, until)
                 log.debug("request %s: push requested before publish", rid)
                 return Ok()
             reader = self._join(lease, body, peer)
@@ -363,7 +412,7 @@ class Leases:
             done = PushDone(rid, False, f"prefill could not push: {err}", unproven)
         with self._lock:
             until = time.monotonic() + ctx.deadlines.remember
-            self._push_results[(rid, reader.rank)] = (done, until)
+            self._push_results[(rid, reader.rank)] = (done, until, reader.params.token)
             # Fenced: the engine reads P's blocks for this part no more.
             reader.pushing, reader.handle = False, None
             reader.end(ok, reason)
@@ -439,6 +488,20 @@ def _unknown(request_id: str) -> MessageError:
         "unknown_request",
         f"request {request_id!r} is not held here (never published, released, or lease expired)",
     )
+
+
+def _wrong_token(request_id: str) -> MessageError:
+    return MessageError(
+        "token",
+        f"request {request_id!r}: wrong or missing capability token (send the token of the "
+        "kv_transfer_params prefill returned for this request)",
+    )
+
+
+def _require_token(lease: _Lease, body: FromDecodeRank) -> None:
+    """Refuse a peer that does not bear the request's capability token; lock held."""
+    if not auth.token_matches(lease.params.token, body.token):
+        raise _wrong_token(lease.params.request_id)
 
 
 def _require_subset(asked: BlockIds, held: BlockIds, request_id: str) -> None:

@@ -154,7 +154,9 @@ class Loads:
                 log.warning("request %s: abort not sent (%s); P's lease frees it", rid, err)
                 return
             for address in addresses:
-                self._ctx.requests.submit(self._tell, address, Abort(rid, reason, **self._me))
+                self._ctx.requests.submit(
+                    self._tell, address, Abort(rid, reason, **self._me, token=params.token)
+                )
         elif params.mode is Mode.PUSH:
             self._settle_push_later(pending, reason)
         else:
@@ -286,14 +288,14 @@ class Loads:
             else:
                 self._finish_pending(rid, False, reason)
             for part in parts:  # P's blocks are only read: P may free them either way
-                release = Release(rid, False, str(err)[:4000], **self._me)
+                release = Release(rid, False, str(err)[:4000], **self._me, token=params.token)
                 ctx.requests.submit(self._tell, part.address, release)
             return
         # The bytes are in and fenced: the load is done now; P's releases are off D's path (one
         # that does not arrive is freed by P's lease).
         self._finish_pending(rid, True, "")
         for part in parts:
-            self._tell(part.address, Release(rid, True, "", **self._me))
+            self._tell(part.address, Release(rid, True, "", **self._me, token=params.token))
 
     def _timed_claim(self, part: _Part) -> None:
         with timed(part.pending.stats, "ask_s"):
@@ -312,7 +314,8 @@ class Loads:
         while True:
             try:
                 client.request(
-                    PullStart(params.request_id, params.block_ids, **self._me), deadlines.call
+                    PullStart(params.request_id, params.block_ids, **self._me, token=params.token),
+                    deadlines.call,
                 )
                 return
             except ControlError as err:
@@ -329,7 +332,9 @@ class Loads:
         ctx, pending = self._ctx, part.pending
         start = time.monotonic()
         rid = pending.params.request_id
-        ask = DigestRequest(rid, pending.block_ids, ctx.verify.value, **self._me)
+        ask = DigestRequest(
+            rid, pending.block_ids, ctx.verify.value, **self._me, token=pending.params.token
+        )
         # P digests its side while D digests its own.
         asked = ctx.peer_waits.submit(
             self._peers.client(part.address.endpoint).request, ask, ctx.deadlines.call
@@ -358,7 +363,9 @@ class Loads:
                 self._ctx.requests.submit(
                     self._tell,
                     part.address,
-                    Abort(rid, pending.abort_reason or str(err)[:4000], **self._me),
+                    Abort(
+                        rid, pending.abort_reason or str(err)[:4000], **self._me, token=params.token
+                    ),
                 )
                 part.asked.set()
             self._finish_pending(rid, False, f"push request of {rid!r} failed: {err}")
@@ -372,7 +379,9 @@ class Loads:
 
     def _ask_push(self, part: _Part) -> None:
         ctx, rid = self._ctx, part.params.request_id
-        ask = PushRequest(rid, part.pending.block_ids, ctx.verify.value, **self._me)
+        ask = PushRequest(
+            rid, part.pending.block_ids, ctx.verify.value, **self._me, token=part.params.token
+        )
         try:
             with timed(part.pending.stats, "ask_s"):
                 self._peers.client(part.address.endpoint).request(ask, ctx.deadlines.call)
@@ -488,9 +497,11 @@ class Loads:
             nonlocal aborted
             try:
                 if not aborted:
-                    client.request(Abort(rid, reason[:4000], **self._me), ctx.deadlines.call)
+                    abort = Abort(rid, reason[:4000], **self._me, token=part.params.token)
+                    client.request(abort, ctx.deadlines.call)
                     aborted = True
-                reply = client.request(PushQuery(rid, **self._me), ctx.deadlines.call)
+                query_ = PushQuery(rid, **self._me, token=part.params.token)
+                reply = client.request(query_, ctx.deadlines.call)
             except ControlError as err:
                 if err.code == "unknown_request":
                     return err

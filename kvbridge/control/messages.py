@@ -14,8 +14,9 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
-#: 2: ``PushDone`` carries its figures as one ``TransferFigures`` (1: six fields of its own)
-PROTOCOL_VERSION = 2
+#: 3: D's requests carry the request's capability ``token``; ``AuthRefused`` (2: ``PushDone``
+#: carries its figures as one ``TransferFigures``; 1: six fields of its own)
+PROTOCOL_VERSION = 3
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -29,6 +30,8 @@ Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 12)]
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 12)]
+#: A request's capability token (``TransferParams.token``): P serves a request only to its bearer.
+Token = Annotated[str, msgspec.Meta(max_length=128)]
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
@@ -57,6 +60,14 @@ class Auth(Message, tag="auth"):
     proof: Proof
 
 
+class AuthRefused(Message, tag="auth_refused"):
+    """Client -> server: the server's proof did not verify (a secret differs, or is set on one
+    side only); the client sends no proof of its own and stops. Lets the server log the failure
+    too: otherwise only the client would know."""
+
+    reason: Reason = ""
+
+
 # -- handshake ------------------------------------------------------------------------------------
 class Handshake(Message, tag="handshake"):
     """Either direction: an engine's layout and how its transport is reached."""
@@ -75,6 +86,8 @@ class FromDecodeRank(Message, kw_only=True):
 
     rank: Rank = 0
     tp_size: TPSize = 1
+    #: the request's capability token (``TransferParams.token``): P answers only its bearer
+    token: Token = ""
 
 
 class PullStart(FromDecodeRank, tag="pull_start"):
@@ -187,6 +200,7 @@ AnyMessage = (
     Hello
     | Challenge
     | Auth
+    | AuthRefused
     | Handshake
     | PullStart
     | Release

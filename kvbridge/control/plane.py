@@ -38,6 +38,7 @@ from typing import Any
 from kvbridge.control.channel import Endpoint
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.deadlines import Deadlines
+from kvbridge.control.exposure import refuse_weak_settings
 from kvbridge.control.handshakes import Handshakes, RemoteEngine
 from kvbridge.control.leases import Leases
 from kvbridge.control.loads import Loads
@@ -82,10 +83,16 @@ class ControlPlane:
     ``timeout`` bounds every side-channel call; transfers are bounded by the transport's own
     ``timeout``, which is the default (pass it only to differ). ``lease`` is how long P keeps a
     published request's blocks when D never releases them (extended while D reads them);
-    ``handshake_timeout`` bounds the retries of a handshake. Every bound the plane keeps is
-    derived from these three once, in ``deadlines`` (``Deadlines``). ``verify`` (D: ``off``,
+    ``handshake_timeout`` bounds the retries of a handshake; ``claim_timeout`` how long P holds a
+    request no D claimed (default from the others: ``Deadlines.claim``). Every bound the plane
+    keeps is derived from these once, in ``deadlines`` (``Deadlines``). ``verify`` (D: ``off``,
     ``sample``, ``full``) compares digests of what P sent and D received after each load; a
     mismatch fails the load (``RequestStats.verify_failed``).
+
+    ``secret`` authenticates every peer (challenge-response; never sent). Without one the side
+    channel may listen on a loopback ``host`` only, unless ``insecure=True`` says the network
+    is isolated on purpose; an empty secret or a port outside 0-65535 is refused
+    (``WeakSettingError``, before anything is registered or bound).
     """
 
     def __init__(
@@ -100,12 +107,18 @@ class ControlPlane:
         timeout: float | None = None,
         lease: float = 30.0,
         handshake_timeout: float = 10.0,
+        claim_timeout: float | None = None,
         workers: int = 4,
         verify: Verify | str = Verify.OFF,
+        insecure: bool = False,
     ) -> None:
+        refuse_weak_settings(host, [port], secret, insecure=insecure, where="ControlPlane")
         # Every time bound of the plane, derived once (the roles read it, never re-derive).
         deadlines = Deadlines(
-            transport.timeout if timeout is None else timeout, lease, handshake_timeout
+            transport.timeout if timeout is None else timeout,
+            lease,
+            handshake_timeout,
+            claim_timeout,
         )
         self.engine_id = engine_id or default_engine_id()
         self.layout = layout
@@ -192,10 +205,20 @@ class ControlPlane:
 
     # -- P side -----------------------------------------------------------------------------------
     def publish(
-        self, request_id: str, block_ids: Mapping[int, Any], num_tokens: int, mode: Mode = Mode.PULL
+        self,
+        request_id: str,
+        block_ids: Mapping[int, Any],
+        num_tokens: int,
+        mode: Mode = Mode.PULL,
+        token: str | None = None,
     ) -> TransferParams:
-        """Hold a prefilled request's blocks under a lease; return what D needs to fetch them."""
-        return self._prefill.publish(request_id, block_ids, num_tokens, mode)
+        """Hold a prefilled request's blocks under a lease; return what D needs to fetch them.
+
+        The params carry the request's capability ``token``: ``token`` when given (an engine's
+        scheduler makes it, the same for every TP rank), else a fresh one. Only a D that sends
+        it back is served.
+        """
+        return self._prefill.publish(request_id, block_ids, num_tokens, mode, token)
 
     def unpublish(self, request_id: str) -> None:
         """Drop a lease without a transfer (the request was aborted on P)."""

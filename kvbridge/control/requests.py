@@ -44,7 +44,10 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What P publishes for a request and D needs to fetch it (kv_transfer_params in vLLM).
 
     ``engine_id``/``endpoint`` are P's TP rank 0; ``ranks`` every P rank in order when P runs
-    TP > 1 (empty: rank 0 alone).
+    TP > 1 (empty: rank 0 alone). ``token`` is the request's capability: an unguessable value P
+    made for this request alone; P serves a claim, a read or a push of it only to a peer that
+    sends it (beside the shared secret), and it grants nothing once P's hold of the request
+    ended. Never logged.
     """
 
     request_id: str
@@ -55,6 +58,7 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transport: str
     mode: Mode = Mode.PULL
     ranks: list[RankAddress] = []
+    token: str = msgspec.field(default="")
 
     @property
     def tp_size(self) -> int:
@@ -75,6 +79,13 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.endpoint,
         ):
             raise msgspec.ValidationError("ranks[0] must be engine_id and endpoint (P's rank 0)")
+
+    def __repr__(self) -> str:
+        # The token is a credential: a logged repr must not hand it out.
+        shown = ", ".join(
+            f"{name}={getattr(self, name)!r}" for name in self.__struct_fields__ if name != "token"
+        )
+        return f"TransferParams({shown}, token=<{'set' if self.token else 'unset'}>)"
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
@@ -119,6 +130,8 @@ class RequestStats:
     verify_failed: bool = False
     #: P: the lease ran out before D released the blocks (P freed them unclaimed)
     lease_expired: bool = False
+    #: P: of those, no D rank had claimed it (freed at ``Deadlines.claim``, before the lease)
+    unclaimed: bool = False
 
     def figures(self) -> TransferFigures:
         """What this side's transfer moved and took, as P tells D (``PushDone``)."""

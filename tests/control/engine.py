@@ -124,6 +124,8 @@ def main() -> None:
         lease=config.get("lease", 30.0),
         handshake_timeout=config.get("handshake_timeout", 5.0),
         verify=config.get("verify", "off"),
+        claim_timeout=config.get("claim_timeout"),
+        insecure=config.get("insecure", False),
         **where,
     )
     for fault in config.get("faults", ()):
@@ -153,7 +155,8 @@ def handle(
     if name == "publish":
         mode = Mode(cmd.get("mode", "pull"))
         ids = {int(k): v for k, v in cmd["block_ids"].items()}
-        return plane.publish(cmd["request_id"], ids, cmd["num_tokens"], mode).to_dict()
+        token = cmd.get("token")
+        return plane.publish(cmd["request_id"], ids, cmd["num_tokens"], mode, token).to_dict()
     if name in ("pull", "push"):
         params = TransferParams.from_dict(cmd["params"])
         ids = {int(k): v for k, v in cmd["block_ids"].items()}
@@ -184,7 +187,7 @@ def handle(
         return plane.leased
     if name == "withdrawn":  # requests D gave up before P published them
         with plane._lock:
-            return sorted(plane._prefill._withdrawn)
+            return sorted({rid for rid, _token in plane._prefill._withdrawn})
     if name == "pullers":
         with plane._lock:
             return {
@@ -226,7 +229,7 @@ def handle(
         return {"name": plane.transport.name, "session": getattr(plane.transport, "session", None)}
     if name == "pending_push":
         with plane._lock:
-            return sorted(rid for rid, _ in plane._prefill._pending_push)
+            return sorted(rid for rid, *_ in plane._prefill._pending_push)
     if name == "close":
         plane.close()
         registered = getattr(plane.transport, "registered", None)

@@ -11,7 +11,7 @@ from kvbridge.control.requests import RequestStats
 
 #: what a peer never sends as a request: replies, and the channel's own authentication
 NOT_REQUESTS = {messages.Ok, messages.Digest, messages.ErrorReply, messages.Hello,
-                messages.Challenge, messages.Auth}  # fmt: skip
+                messages.Challenge, messages.Auth, messages.AuthRefused}  # fmt: skip
 
 
 def test_every_request_type_has_one_answer() -> None:

@@ -200,7 +200,7 @@ def test_block_ids_outside_the_request_allocation_are_refused(engines, transport
     p = engines("prefill", transport, seed=101)
     d = engines("decode", transport, seed=102)
     params, ids = publish(p, "mine")
-    _, other_ids = publish(p, "theirs", seed=2)
+    theirs, other_ids = publish(p, "theirs", seed=2)
     # D asks for attention blocks of another request: P refuses, D's load fails, P frees "mine"
     stolen = {**params, "block_ids": {**{str(k): v for k, v in ids.items()}, "0": other_ids[0]}}
     d.call(cmd="pull", params=stolen, block_ids=BlockAllocator(d.layout, 3).request(100))
@@ -211,7 +211,7 @@ def test_block_ids_outside_the_request_allocation_are_refused(engines, transport
 
     client = raw(p.info["endpoint"])
     assert isinstance(client.login(""), Ok)
-    reply = client.send(PullStart("theirs", {0: [10**9]})).body
+    reply = client.send(PullStart("theirs", {0: [10**9]}, token=theirs["token"])).body
     assert isinstance(reply, ErrorReply) and reply.code == "block_id"
     reply = client.send(PullStart("nobody", {0: [1]})).body
     assert isinstance(reply, ErrorReply) and reply.code == "unknown_request"

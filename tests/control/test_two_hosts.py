@@ -67,6 +67,8 @@ def start(
         host=host.address,
         seed=seed,
         num_blocks=1024,
+        # A side channel other hosts reach needs a secret (or insecure: true).
+        secret="two hosts, one secret",
         options=options(transport, host, **opts),
     )
     assert engine.info["endpoint"].startswith(f"tcp://{host.address}:"), engine.info

@@ -34,6 +34,7 @@ from kvbridge.adapters.vllm.prom_metrics import KVBridgePromMetrics
 from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.worker import ConnectorWorker
+from kvbridge.control.holds import HoldBudget, HoldLimits
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,16 +83,24 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         ]
         self.scheduler: SchedulerState | None = None
+        self._declined_seen = self._held_blocks_seen = 0  # what the last stats reported
         #: The worker side's state; it opens its control plane at ``register_kv_caches``.
         self.worker = ConnectorWorker(self.options, self.engine_id, vllm_config, kv_cache_config)
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.options.refuse_weak(tp_size)  # port + rank for every TP rank
         if role == KVConnectorRole.SCHEDULER:
-            tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+            limits = HoldLimits.of_pool(
+                int(kv_cache_config.num_blocks),
+                self.options.max_held_fraction,
+                self.options.max_held_requests,
+            )
             self.scheduler = SchedulerState(
                 groups,
                 engine_id=self.engine_id,
                 ranks=rank_addresses(self.options, self.engine_id, tp_size),
                 transport=self.options.transport,
                 mode=self.options.mode,
+                holds=HoldBudget(limits),
             )
 
     @property
@@ -204,8 +213,20 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
-        """This worker's transfers since the last call (vLLM polls it every step)."""
-        return self.worker.take_stats()
+        """This worker's transfers since the last call (vLLM polls it every step); on the
+        scheduler, P's holds: prefills declined past the hold limit, blocks held for decode."""
+        if self.scheduler is None:
+            return self.worker.take_stats()
+        holds = self.scheduler.holds
+        if holds is None:
+            return None
+        declined, self._declined_seen = holds.declined - self._declined_seen, holds.declined
+        if not declined and holds.held_blocks == self._held_blocks_seen:
+            return None
+        self._held_blocks_seen = holds.held_blocks
+        stats = KVBridgeStats()
+        stats.record_holds(declined, holds.held_blocks)
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:

@@ -9,7 +9,16 @@ TP size n needs ports port..port+n-1 free and reachable from the other side), ``
 vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform), ``kv_layout``
 (the physical KV cache layout to ask vLLM for: ``auto``, or one of vLLM's ``KVCacheLayout``
 names such as ``LBHNC`` or ``BLHNC``), ``verify`` (``off``, ``sample``, ``full``: digest what was
-moved on both sides; a mismatch fails the load), ``secret_file`` (a file holding ``secret``).
+moved on both sides; a mismatch fails the load), ``secret_file`` (a file holding ``secret``),
+``claim_timeout`` (s: P frees a request no decode claimed this long after publishing; default
+from ``lease``), ``max_held_requests`` and ``max_held_fraction`` (P holds at most this many
+requests, and this fraction of its KV pool, for decode; past either, P answers but holds
+nothing and decode computes the prompt itself), ``insecure`` (true: allow a side channel
+reachable from other hosts without a secret, on an isolated network on purpose).
+
+Weak settings stop the connector at start (``kvbridge.control.exposure``): an empty secret, a
+``port + rank`` outside 1-65535 for any TP rank, and a non-loopback ``host`` without a secret
+unless ``insecure`` is true.
 
 Every option is checked for its type and range when the connector starts (``Options.from_extra``):
 a bad one stops it with one line naming the option, the value and what is expected. The
@@ -34,6 +43,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvbridge.adapters.vllm.layout import SPLIT_HEAD_KV, SPLIT_OPAQUE
+from kvbridge.control.exposure import refuse_weak_settings
 from kvbridge.control.requests import Mode, RankAddress, rank_engine_id
 from kvbridge.core.integrity import Verify
 
@@ -77,6 +87,18 @@ _OPTION_TYPES: dict[str, tuple[Any, Callable[[Any], bool] | None, str]] = {
         f"{SPLIT_HEAD_KV!r} or {SPLIT_OPAQUE!r}",
     ),
     "verify": (Verify, None, "'off', 'sample' or 'full'"),
+    "claim_timeout": (_Seconds, math.isfinite, _SECONDS),
+    "max_held_requests": (
+        Annotated[int, msgspec.Meta(ge=0)],
+        None,
+        "an integer >= 0 (requests P holds for decode at once)",
+    ),
+    "max_held_fraction": (
+        Annotated[float, msgspec.Meta(ge=0, le=1)],
+        None,
+        "a number in [0, 1] (the fraction of P's KV blocks held for decode at once)",
+    ),
+    "insecure": (bool, None, "true or false"),
     "prefill_peers": (
         tuple[_Text, ...],
         lambda v: all(_PEER.fullmatch(e) and 1 <= int(e.rsplit(":", 1)[1]) <= 65535 for e in v),
@@ -202,6 +224,13 @@ class Options:
     #: D: the prefill side channels (``tcp://host:port``, as P publishes them) it handshakes
     #: with at start, so the first request from each needs no handshake.
     prefill_peers: tuple[str, ...] = ()
+    #: P: how long it holds a request no decode claimed (None: ``Deadlines.claim``)
+    claim_timeout: float | None = None
+    #: P: the most it holds for decode at once (requests; fraction of its KV pool)
+    max_held_requests: int = 1024
+    max_held_fraction: float = 0.5
+    #: allow a side channel other hosts reach without a secret
+    insecure: bool = False
 
     def __repr__(self) -> str:
         shown = (
@@ -253,7 +282,20 @@ class Options:
             )
         options = cls(**values, secret=secret)
         options.transport_timed()  # a conflicting transport_options.timeout fails at start too
+        options.refuse_weak(1)
         return options
+
+    def refuse_weak(self, tp_size: int) -> None:
+        """Stop at start on settings that weaken security or cannot bind: ``WeakSettingError``
+        (a ``ValueError``) for an empty secret, ``port + rank`` outside 1-65535 for a TP rank of
+        ``tp_size``, or a non-loopback ``host`` without a secret unless ``insecure``."""
+        refuse_weak_settings(
+            self.host,
+            [self.port + rank for rank in range(tp_size)],
+            self.secret,
+            insecure=self.insecure,
+            where="kvbridge option",
+        )
 
     def transport_timed(self) -> dict[str, Any]:
         """The transport's options with ``timeout`` set from the connector's one ``timeout``.

@@ -114,6 +114,22 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 ),
             ),
             (
+                "unclaimed",
+                self._counter(
+                    "vllm:kvbridge_unclaimed_holds",
+                    "Prefilled requests no decode claimed, freed at the claim timeout (before "
+                    "the lease); counted on the prefill instance (also in lease expiries).",
+                ),
+            ),
+            (
+                "hold_declined",
+                self._counter(
+                    "vllm:kvbridge_holds_declined",
+                    "Prefills past the hold limit (max_held_requests, max_held_fraction): the "
+                    "prefill instance held nothing and decode computed the prompt itself.",
+                ),
+            ),
+            (
                 "fenced",
                 self._counter(
                     "vllm:kvbridge_fenced",

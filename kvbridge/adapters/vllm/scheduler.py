@@ -17,6 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.control import auth
+from kvbridge.control.holds import HoldBudget
+from kvbridge.control.refusals import RefusalLog
 from kvbridge.control.requests import Mode, RankAddress, TransferParams
 from kvbridge.core.block_mapping import GroupBlockIds, held_block_ids, tail_block_ids
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
@@ -30,6 +33,8 @@ MODE_KEY = "kvbridge_mode"
 TRUNCATED_KEY = "_kvbridge_truncated"
 #: Set on D's params once the load was planned, so a rescheduled request does not load twice.
 PROCESSED_KEY = "_kvbridge_processed"
+#: Set on P's answer when P held nothing for decode (over its hold limit): why.
+DECLINED_KEY = "kvbridge_declined"
 #: vLLM's null block (the first block of the pool), a placeholder in STATE/SW block lists.
 NULL_BLOCK_ID = 0
 
@@ -53,6 +58,8 @@ class PublishRequest:
     block_ids: GroupBlockIds
     num_tokens: int
     mode: str
+    #: the request's capability token, the same for every TP rank (``TransferParams.token``)
+    token: str = ""
 
 
 @dataclass
@@ -89,7 +96,8 @@ class SchedulerState:
 
     ``engine_id`` is the engine's (vLLM's) id; ``ranks`` (one per TP rank, in order) and
     ``transport`` must be what the workers' ``ControlPlane``s report (each worker binds a fixed
-    port so the scheduler can name it before it exists); ``endpoint`` is rank 0's.
+    port so the scheduler can name it before it exists); ``endpoint`` is rank 0's. ``holds``
+    bounds what P holds for decode (``HoldBudget``; None: no bound).
     """
 
     def __init__(
@@ -100,6 +108,7 @@ class SchedulerState:
         ranks: Sequence[RankAddress],
         transport: str,
         mode: Mode = Mode.PULL,
+        holds: HoldBudget | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("SchedulerState needs the address of every TP rank (ranks)")
@@ -110,6 +119,8 @@ class SchedulerState:
         self.endpoint = ranks[0].endpoint
         self.transport = transport
         self.mode = Mode(mode)
+        self.holds = holds
+        self._declined_log = RefusalLog(log, interval=30.0)
         self._plan = StepPlan()
         #: P: request ids published and not yet reported freed by the worker.
         self.sending: set[str] = set()
@@ -223,6 +234,12 @@ class SchedulerState:
         ids = {g: b for g, b in self.transfer_block_ids(block_ids).items() if b}
         if not ids:
             return False, None
+        if self.holds is not None:
+            # What vLLM keeps while P holds the request: every real block of every group.
+            kept = sum(sum(1 for b in group if b != NULL_BLOCK_ID) for group in block_ids)
+            why = self.holds.admit(request.request_id, kept)
+            if why is not None:
+                return False, self._declined(request.request_id, why)
         num_tokens = int(request.num_computed_tokens)
         mode = _request_mode(params, self.mode, request.request_id)
         transfer = TransferParams(
@@ -234,8 +251,11 @@ class SchedulerState:
             self.transport,
             mode,
             self.ranks if len(self.ranks) > 1 else [],
+            token=auth.new_token(),
         )
-        self._plan.publishes.append(PublishRequest(request.request_id, ids, num_tokens, mode.value))
+        self._plan.publishes.append(
+            PublishRequest(request.request_id, ids, num_tokens, mode.value, transfer.token)
+        )
         self.sending.add(request.request_id)
         out = {
             "do_remote_prefill": True,
@@ -250,6 +270,18 @@ class SchedulerState:
     def finished_sending(self, request_ids: set[str]) -> None:
         """The worker freed these published requests."""
         self.sending -= request_ids
+        if self.holds is not None:
+            self.holds.release(request_ids)
+
+    def _declined(self, request_id: str, why: str) -> dict[str, Any]:
+        """P holds nothing for this request: decode must compute the whole prompt itself."""
+        self._declined_log.warning(
+            "hold_limit",
+            "",
+            f"request {request_id}: prefill holds nothing for decode, which computes the prompt "
+            f"itself: {why} ({self.holds.declined if self.holds else 0} declined since start)",
+        )
+        return {"do_remote_prefill": False, "do_remote_decode": False, DECLINED_KEY: why}
 
     # -- steps ------------------------------------------------------------------------------------
     def build_step(self) -> StepPlan:

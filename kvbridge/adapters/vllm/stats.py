@@ -24,8 +24,22 @@ SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "ha
 #: peer may still deliver bytes) and, of those, held for good (no fence proves their bytes
 #: stopped: never handed back); loads whose
 #: integrity check (``verify``) found a difference; P: published requests whose lease expired
-#: before D released them.
-COUNTERS = ("failed", "fenced", "unproven", "held", "verify_failed", "lease_expired")
+#: before D released them, and of those the ones no D claimed (freed at the claim timeout);
+#: P's scheduler: prefills past its hold limit (P held nothing, D computed the prompt), and the
+#: most blocks held for decode at one time (``held_blocks``, a maximum like ``held``).
+COUNTERS = (
+    "failed",
+    "fenced",
+    "unproven",
+    "held",
+    "verify_failed",
+    "lease_expired",
+    "unclaimed",
+    "hold_declined",
+    "held_blocks",
+)
+#: Counters that are the most at one time, not a sum over an interval.
+MAXIMA = ("held_blocks",)
 
 
 def _empty() -> dict[str, Any]:
@@ -56,9 +70,16 @@ class KVBridgeStats(KVConnectorStats):
         if stats is not None and stats.verify_failed:
             self.data["verify_failed"] += 1
 
-    def record_lease_expiry(self) -> None:
-        """P freed a published request's blocks because D never released them in time."""
+    def record_lease_expiry(self, unclaimed: bool = False) -> None:
+        """P freed a published request's blocks because D never released them in time
+        (``unclaimed``: no D claimed it at all)."""
         self.data["lease_expired"] += 1
+        self.data["unclaimed"] += int(unclaimed)
+
+    def record_holds(self, declined: int, held_blocks: int) -> None:
+        """P's scheduler: prefills declined past the hold limit; blocks held for decode now."""
+        self.data["hold_declined"] += declined
+        self.data["held_blocks"] = max(int(self.data["held_blocks"]), held_blocks)
 
     def record_held(self, count: int) -> None:
         """Requests whose blocks wait for a fence right now."""
@@ -76,7 +97,11 @@ class KVBridgeStats(KVConnectorStats):
             for name in (*SERIES, "fence_s"):
                 self.data[name].extend(other.data.get(name, ()))
             for name in COUNTERS:
-                self.data[name] += int(other.data.get(name, 0))
+                theirs = int(other.data.get(name, 0))
+                if name in MAXIMA:
+                    self.data[name] = max(int(self.data[name]), theirs)
+                else:
+                    self.data[name] += theirs
         return self
 
     def is_empty(self) -> bool:
@@ -89,7 +114,7 @@ class KVBridgeStats(KVConnectorStats):
             "transfers": int(nbytes.size),
             "failed": int(self.data["failed"]),
         }
-        for name in ("fenced", "unproven", "held", "verify_failed", "lease_expired"):
+        for name in COUNTERS[1:]:
             if self.data[name]:
                 out[name] = int(self.data[name])
         if self.data["fence_s"]:

@@ -100,7 +100,9 @@ class ConnectorWorker:
             secret=self.options.secret,
             timeout=self.options.timeout,
             lease=self.options.lease,
+            claim_timeout=self.options.claim_timeout,
             verify=self.options.verify,
+            insecure=self.options.insecure,
         )
         log.info(
             "kvbridge: %s (TP rank %d of %d) registered, side channel %s",
@@ -125,7 +127,9 @@ class ConnectorWorker:
         assert plane is not None, "register_kv_caches first"
         for pub in plan.publishes:
             try:
-                plane.publish(pub.request_id, pub.block_ids, pub.num_tokens, Mode(pub.mode))
+                plane.publish(
+                    pub.request_id, pub.block_ids, pub.num_tokens, Mode(pub.mode), pub.token or None
+                )
                 self._sending.add(pub.request_id)
             except Exception as err:  # blocks must still be freed, or P leaks them
                 log.error("kvbridge: publish of %s failed: %s", pub.request_id, err)
@@ -171,7 +175,7 @@ class ConnectorWorker:
                 if outcome.ok and outcome.stats.nbytes:  # P pushed: the bytes were P's work
                     self._stats.record(outcome.stats)
                 elif outcome.stats.lease_expired:  # D never released them: P freed them
-                    self._stats.record_lease_expiry()
+                    self._stats.record_lease_expiry(unclaimed=outcome.stats.unclaimed)
             elif rid in self._recving:
                 local = self._recving.pop(rid)
                 if outcome.ok and not self._transpose(local, outcome.transposes):

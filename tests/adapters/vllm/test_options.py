@@ -101,6 +101,14 @@ BAD = [
     ("prefill_peers", ["10.0.0.1"], "a list of prefill side channels, each 'host:port'"),
     ("prefill_peers", ["10.0.0.1:70000"], "a list of prefill side channels, each 'host:port'"),
     ("prefill_peers", ["http://p:8100"], "a list of prefill side channels, each 'host:port'"),
+    ("claim_timeout", 0, "a finite number of seconds > 0"),
+    ("claim_timeout", "5", "a finite number of seconds > 0"),
+    ("max_held_requests", -1, "an integer >= 0"),
+    ("max_held_requests", 1.5, "an integer >= 0"),
+    ("max_held_fraction", 1.5, "a number in [0, 1]"),
+    ("max_held_fraction", "half", "a number in [0, 1]"),
+    ("insecure", "yes", "true or false"),
+    ("insecure", 1, "true or false"),
 ]
 
 
@@ -322,6 +330,19 @@ def test_the_connector_takes_tensor_parallelism_and_refuses_pipeline_stages() ->
         ("e.tp0", "tcp://127.0.0.1:6100"),
         ("e.tp1", "tcp://127.0.0.1:6101"),
     ]
+    assert connector.scheduler.holds is not None  # half of the pool by default
+    assert connector.scheduler.holds.limits.max_blocks == 50
+    # TP rank 1 would bind port + 1 = 65536: refused at start, naming the sum
+    high = KVTransferConfig(
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_consumer",
+        engine_id="e",
+        kv_connector_extra_config={"transport": "mooncake", "port": 65535},
+    )
+    high_config = VllmConfig(kv_transfer_config=high)
+    high_config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match=r"port \+ rank \(65535 \+ 1\) = 65536"):
+        KVBridgeConnector(high_config, KVConnectorRole.SCHEDULER, _no_groups())
     config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(ValueError, match=r"^kvbridge: pipeline_parallel_size=2 is not supported"):
         KVBridgeConnector.get_required_kvcache_layout(config)
@@ -365,4 +386,38 @@ def test_sleep_mode_is_refused_at_start_in_one_line() -> None:
 def _no_groups():  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
-    return SimpleNamespace(kv_cache_groups=[])
+    return SimpleNamespace(kv_cache_groups=[], num_blocks=100)
+
+
+# -- weak settings (issue 28) ------------------------------------------------------------------
+
+
+def test_a_side_channel_other_hosts_reach_needs_a_secret_or_insecure() -> None:
+    message = _error({"host": "10.0.0.1"})
+    assert "reachable from other hosts but has no secret" in message
+    assert "insecure: true" in message
+    assert _error({"host": "0.0.0.0"}).startswith("kvbridge option: the side channel on 0.0.0.0")
+    assert Options.from_extra({"host": "10.0.0.1", "secret": SECRET}, None).secret == SECRET
+    assert Options.from_extra({"host": "10.0.0.1", "insecure": True}, None).insecure
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert Options.from_extra({"host": loopback}, None).secret is None
+
+
+def test_port_plus_rank_must_fit_for_every_tp_rank() -> None:
+    options = Options.from_extra({"port": 65535}, None)
+    options.refuse_weak(1)
+    with pytest.raises(ValueError) as err:
+        options.refuse_weak(2)
+    assert "port + rank (65535 + 1) = 65536 is outside 1-65535" in str(err.value)
+    Options.from_extra({"port": 65534}, None).refuse_weak(2)
+
+
+def test_an_empty_secret_is_refused_wherever_it_comes_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert "secret" in _error({"secret": ""})
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert "empty" in _error({"secret_file": str(empty)})
+    monkeypatch.setenv("KVBRIDGE_SECRET", "")
+    assert "KVBRIDGE_SECRET is set but empty" in _error({})

@@ -263,7 +263,8 @@ def test_lease_expiry_on_prefill_reaches_the_stats_and_metrics(vllm_config: Vllm
             time.sleep(0.02)
         stats = worker.get_kv_connector_stats()
         assert stats is not None and stats.data["lease_expired"] == 1
-        assert stats.reduce() == {"transfers": 0, "failed": 0, "lease_expired": 1}
+        assert stats.data["unclaimed"] == 1  # no decode ever claimed it
+        assert stats.reduce() == {"transfers": 0, "failed": 0, "lease_expired": 1, "unclaimed": 1}
         assert worker.get_kv_connector_stats() is None  # counted once
     finally:
         worker.shutdown()
