@@ -159,8 +159,10 @@ def _summary(layout: Layout, transport: str) -> str:
 
 
 def _one_block(layout: Layout) -> dict[int, list[int]]:
-    """A one-block request's ids: block 1 of each group (0 may be a null placeholder)."""
-    return {i: [min(1, g.num_blocks - 1)] for i, g in sorted(layout.groups.items())}
+    """A one-block request's ids: a block of its own for each group (groups of a hybrid model
+    share one pool, as vLLM's allocator hands them out; 0 may be a null placeholder)."""
+    groups = sorted(layout.groups.items())
+    return {i: [min(k + 1, g.num_blocks - 1)] for k, (i, g) in enumerate(groups)}
 
 
 class _Checker:

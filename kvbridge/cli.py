@@ -407,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "check",
+        allow_abbrev=False,  # `--secret X` must not pass for `--secret-file X`
         help="preflight: can this host exchange KV caches with the engine at PEER?",
         description=(
             "Check, in a few seconds, that the engine whose side channel is PEER answers, "
