@@ -349,6 +349,12 @@ class PeerClient:
             raise ControlError("protocol", f"expected a challenge from {self.address}")
         expected = auth.server_proof(self._secret, nonce, challenge.nonce)
         if not auth.verify(expected, challenge.proof):
+            if self._secret and not challenge.proof:
+                why = "it has no shared secret set, this side has one: set one on both sides"
+            elif not self._secret:
+                why = "it requires a shared secret, none is set here"
+            else:
+                why = "wrong shared secret: the two sides' secrets differ"
             # Tell the server, so that its log shows the failure too; no proof of ours goes out
             # to an engine that did not prove itself. Best effort, within a short bound.
             with contextlib.suppress(Exception):
@@ -357,9 +363,7 @@ class PeerClient:
                     AuthRefused("the server's proof did not verify"), time.monotonic() + left
                 )
             raise ControlError(
-                "auth_failed",
-                f"the engine at {self.address} failed authentication (wrong shared secret, or a "
-                "secret set on one side only)",
+                "auth_failed", f"the engine at {self.address} failed authentication ({why})"
             )
         self._call(Auth(auth.client_proof(self._secret, nonce, challenge.nonce)), deadline)
         self.remote_engine_id = challenge.engine_id

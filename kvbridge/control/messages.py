@@ -7,7 +7,7 @@ so a malformed or hostile message is rejected before it costs memory.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -196,6 +196,67 @@ class ErrorReply(Message, tag="error"):
     message: Reason
 
 
+# -- preflight (``kvbridge check``) -------------------------------------------------------------
+#: The most scratch bytes a probe moves; an engine's probe scratch is at most this large.
+MAX_PROBE_BYTES = 64 << 10
+ProbeBytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBE_BYTES)]
+
+
+class Describe(Message, tag="describe"):
+    """Checker -> any engine: who are you? Answered ``About``; nothing is connected or kept."""
+
+
+class About(Message, tag="about"):
+    """An engine's answer to ``Describe``: its versions, its handshake (layout, transport and
+    transport metadata, as it answers a ``Handshake``) and the size of its probe scratch
+    (0: it serves no probe)."""
+
+    kvbridge_version: Annotated[str, msgspec.Meta(max_length=64)]
+    protocol_version: int
+    handshake: Handshake
+    probe_bytes: ProbeBytes = 0
+
+
+class ProbeConnect(Message, tag="probe_connect"):
+    """Checker -> engine: connect your transport to mine (``metadata``) for probes; my scratch
+    buffer is ``scratch_bytes`` long. Answered ``ProbeScratch``. The engine connects under a
+    peer name of its own for probes, never one a serving peer uses."""
+
+    transport: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    metadata: Annotated[bytes, msgspec.Meta(max_length=1 << 20)]
+    scratch_addr: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    scratch_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_PROBE_BYTES)]
+
+
+class ProbeScratch(Message, tag="probe_scratch"):
+    """Engine -> checker: where the engine's probe scratch is (the checker writes only there)."""
+
+    addr: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    size: ProbeBytes
+
+
+class Probe(Message, tag="probe"):
+    """Checker -> engine, after ``ProbeConnect``. Offsets count from each side's scratch start.
+
+    ``write``: fill ``[offset, offset + length)`` of your scratch with fresh random bytes and
+    write them, through the transport, to the same range of mine; ``digest``: the digest of that
+    range of your scratch (what I wrote there); ``end``: disconnect from me. A range beyond
+    either scratch is refused: a probe never touches any other memory.
+    """
+
+    action: Literal["write", "digest", "end"]
+    offset: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBE_BYTES)] = 0
+    length: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBE_BYTES)] = 0
+
+
+class ProbeResult(Message, tag="probe_result"):
+    """Engine -> checker: the SHA-256 of the probed range of its scratch (``write``: what it
+    wrote; ``digest``: what it holds), and how long the transfer took."""
+
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    seconds: float = 0.0
+
+
 AnyMessage = (
     Hello
     | Challenge
@@ -213,6 +274,13 @@ AnyMessage = (
     | Ping
     | Ok
     | ErrorReply
+    # preflight (``kvbridge check``)
+    | Describe
+    | About
+    | ProbeConnect
+    | ProbeScratch
+    | Probe
+    | ProbeResult
 )
 
 

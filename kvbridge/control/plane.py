@@ -44,17 +44,21 @@ from kvbridge.control.leases import Leases
 from kvbridge.control.loads import Loads
 from kvbridge.control.messages import (
     Abort,
+    Describe,
     DigestRequest,
     Handshake,
     Message,
     Ok,
     Ping,
+    Probe,
+    ProbeConnect,
     PullStart,
     PushDone,
     PushQuery,
     PushRequest,
     Release,
 )
+from kvbridge.control.probes import Probes
 from kvbridge.control.requests import Mode, RequestOutcome, RequestStats, TransferParams
 from kvbridge.control.transfers import Transfers
 from kvbridge.core.errors import MessageError, OutcomeTimeoutError
@@ -148,6 +152,8 @@ class ControlPlane:
         transfers = Transfers(ctx)
         self._prefill = Leases(ctx, self._peers, transfers)
         self._decode = Loads(ctx, self._peers, transfers)
+        #: ``kvbridge check``: its scratch registered now, freed in ``close``
+        self._probes = Probes(ctx)
         self._endpoint = Endpoint(
             self.engine_id,
             self._handle,
@@ -313,6 +319,7 @@ class ControlPlane:
         ctx.peer_waits.shutdown(wait=True, cancel_futures=True)
         ctx.digests.shutdown(wait=True, cancel_futures=True)
         self._peers.close()
+        self._probes.close()
         self.transport.deregister(self.layout.registration)
 
     def __enter__(self) -> ControlPlane:
@@ -374,4 +381,8 @@ _PROTOCOL: dict[type[Message], _Answer] = {
     PushDone: _acked(lambda plane, peer, body: plane._decode.on_push_done(body, peer)),
     # any side: is the peer alive and serving
     Ping: lambda plane, peer, body: Ok(),
+    # any side, from `kvbridge check`: versions and handshake, then probes of its scratch only
+    Describe: lambda plane, peer, body: plane._probes.about(),
+    ProbeConnect: lambda plane, peer, body: plane._probes.connect(peer, body),
+    Probe: lambda plane, peer, body: plane._probes.probe(peer, body),
 }

@@ -12,6 +12,8 @@ from kvbridge.control.requests import RequestStats
 #: what a peer never sends as a request: replies, and the channel's own authentication
 NOT_REQUESTS = {messages.Ok, messages.Digest, messages.ErrorReply, messages.Hello,
                 messages.Challenge, messages.Auth, messages.AuthRefused}  # fmt: skip
+#: replies to ``kvbridge check``'s requests (``Describe``, ``ProbeConnect``, ``Probe``)
+NOT_REQUESTS |= {messages.About, messages.ProbeScratch, messages.ProbeResult}
 
 
 def test_every_request_type_has_one_answer() -> None:
