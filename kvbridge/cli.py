@@ -237,6 +237,11 @@ def _check_demo_request(args: argparse.Namespace) -> None:
     from kvbridge.workloads.layouts import PoolExhaustedError, request_block_ids
     from kvbridge.workloads.shapes import bump_allocator, layout_spec
 
+    if args.secret is not None and not args.secret:
+        raise CliError(
+            "--secret is empty, which would turn authentication off; give a non-empty secret "
+            "or leave --secret out (the demo's side channels are on this host only)"
+        )
     if args.shape not in SHAPES:
         raise CliError(
             f"no model shape named {args.shape!r}; pass one of {', '.join(sorted(SHAPES))} "

@@ -155,6 +155,7 @@ def _assert_one_line_usage_error(result: subprocess.CompletedProcess[str], *word
         (["--transport", "nosuch"], ["'nosuch'", "usable transports here: cma", "--transport"]),
         (["--shape", "nosuch"], ["'nosuch'", "qwen3.5-hybrid", "--shape"]),
         (["--prompt-tokens", "100000", "--num-blocks", "8"], ["--num-blocks 8", "--prompt-tokens 100000"]),
+        (["--secret", ""], ["--secret is empty", "authentication off"]),
     ],
 )  # fmt: skip
 def test_demo_refuses_what_it_cannot_run_before_starting_processes(args, words):

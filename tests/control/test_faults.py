@@ -15,9 +15,11 @@ pytestmark = pytest.mark.timeout(180)
 BIG = {"kv_heads": 8, "head_dim": 128, "num_blocks": 1024}
 
 
-def publish(p, rid, tokens=200, mode="pull", seed=1):
+def publish(p, rid, tokens=200, mode="pull", seed=1, token=None):
     ids = BlockAllocator(p.layout, seed).request(tokens)
-    return p.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=tokens, mode=mode)
+    return p.call(
+        cmd="publish", request_id=rid, block_ids=ids, num_tokens=tokens, mode=mode, token=token
+    )
 
 
 def wait_for(predicate, timeout, step=0.02):
@@ -121,10 +123,12 @@ def test_decode_aborts_before_prefill_publishes(engines, transport):
     p = engines("prefill", transport, seed=81, lease=60)
     d = engines("decode", transport, seed=82)
     first = publish(p, "first")  # P's engine id and endpoint, as D's params carry them
-    late = {**first, "request_id": "late"}
+    # D's params for "late" carry the token P's scheduler made for it before P's worker
+    # published it (the same token the publish below is given).
+    late = {**first, "request_id": "late", "token": "token-of-late"}
     d.call(cmd="abort", params=late, reason="client went away")
     wait_for(lambda: p.call(cmd="withdrawn") == ["late"], 10)
-    publish(p, "late", seed=3)
+    publish(p, "late", seed=3, token="token-of-late")
     outcome = wait_for(lambda: freed(p, "late"), 10)
     assert not outcome["ok"] and "before it was published" in outcome["reason"]
     assert p.call(cmd="leased") == ["first"]

@@ -116,13 +116,14 @@ def test_pull_that_arrives_before_the_publish_waits_for_it(engines, transport):
         "num_tokens": 150,
         "transport": transport,
         "mode": "pull",
+        "token": "token-of-early",  # made by P's scheduler before its worker publishes
     }
     assert d.call(cmd="pull", params=early, block_ids=d_ids) == {"started": True}
     time.sleep(0.5)
-    assert (
-        p.call(cmd="publish", request_id="early", block_ids=p_ids, num_tokens=150)["request_id"]
-        == "early"
+    published = p.call(
+        cmd="publish", request_id="early", block_ids=p_ids, num_tokens=150, token="token-of-early"
     )
+    assert published["request_id"] == "early"
     out = d.call(cmd="wait", request_id="early", timeout=30)
     assert out["ok"], out["reason"]
     check_bytes(d, [{"config": p.config, "pairs": [(p_ids, d_ids)]}])
