@@ -12,10 +12,18 @@
 #   KVB_TRANSPORT_OPTIONS the transport's options as JSON (mooncake default: {"protocol": "tcp"})
 #   KVB_MODE              pull (default: D reads P's blocks) | push (P writes D's blocks)
 #   KVB_TIMEOUT, KVB_LEASE  seconds (defaults 10 and 30)
+#   KVB_CLAIM_TIMEOUT     prefill: seconds it holds a request no decode claimed (default: from
+#                         the lease); KVB_MAX_HELD_REQUESTS, KVB_MAX_HELD_FRACTION: the most it
+#                         holds for decode at once (defaults 1024 requests, 0.5 of its KV pool)
+#   KVB_INSECURE=1        allow a side channel other hosts reach without a secret (an isolated
+#                         test network only: without a secret any host that reaches the port can
+#                         claim, abort or push requests)
 #   KVB_PREFILL_PEERS     decode only: prefill side channels host:port,host:port,... (each P's
 #                         KVBRIDGE_HOST and port; TP rank r: port + r) to handshake with at
 #                         start, so the first request from each needs no handshake
-#   HTTP_HOST, HTTP_PORT  where vLLM's OpenAI server listens
+#   HTTP_HOST, HTTP_PORT  where vLLM's OpenAI server listens (HTTP_HOST defaults to
+#                         KVBRIDGE_HOST: the router must reach it; set VLLM_API_KEY to make vLLM
+#                         require a key, and give the router the same key)
 # Arguments after the script's name go to vLLM unchanged (--tensor-parallel-size, --dtype, ...).
 
 set -euo pipefail
@@ -31,13 +39,30 @@ fi
 KVB_MODE=${KVB_MODE:-pull}
 KVB_TIMEOUT=${KVB_TIMEOUT:-10}
 KVB_LEASE=${KVB_LEASE:-30}
-HTTP_HOST=${HTTP_HOST:-0.0.0.0}
 export KVBRIDGE_HOST=${KVBRIDGE_HOST:-127.0.0.1}
 export KVBRIDGE_PORT=${KVBRIDGE_PORT:-5790}
+HTTP_HOST=${HTTP_HOST:-$KVBRIDGE_HOST}
+
+# Optional connector settings, each added to the JSON only when set.
+KVB_EXTRA=""
+[ -n "${KVB_CLAIM_TIMEOUT:-}" ] && KVB_EXTRA+=", \"claim_timeout\": $KVB_CLAIM_TIMEOUT"
+[ -n "${KVB_MAX_HELD_REQUESTS:-}" ] && KVB_EXTRA+=", \"max_held_requests\": $KVB_MAX_HELD_REQUESTS"
+[ -n "${KVB_MAX_HELD_FRACTION:-}" ] && KVB_EXTRA+=", \"max_held_fraction\": $KVB_MAX_HELD_FRACTION"
+[ "${KVB_INSECURE:-0}" = 1 ] && KVB_EXTRA+=', "insecure": true'
 
 if [ -z "${KVBRIDGE_SECRET_FILE:-}${KVBRIDGE_SECRET:-}" ]; then
-  echo "warning: no KVBRIDGE_SECRET_FILE: any process that reaches port $KVBRIDGE_PORT on" \
-       "$KVBRIDGE_HOST can read this instance's KV cache" >&2
+  case "$KVBRIDGE_HOST" in
+    127.*|localhost|::1) ;;  # this host only
+    *) if [ "${KVB_INSECURE:-0}" != 1 ]; then
+         echo "error: the side channel on $KVBRIDGE_HOST is reachable from other hosts but no" \
+              "KVBRIDGE_SECRET_FILE is set; make one (openssl rand -hex 32 > secret; chmod 600" \
+              "secret), give every instance the same file, or set KVB_INSECURE=1 on an isolated" \
+              "test network" >&2
+         exit 2
+       fi
+       echo "warning: KVB_INSECURE=1: the side channel on $KVBRIDGE_HOST has no secret; any" \
+            "host that reaches port $KVBRIDGE_PORT can claim, abort or push requests" >&2 ;;
+  esac
 fi
 
 # serve ROLE EXTRA_JSON [vLLM args...]: replace this shell by vLLM's OpenAI server.
@@ -50,8 +75,8 @@ serve() {
   if [ "$role" = kv_consumer ] && [ -n "${KVB_PREFILL_PEERS:-}" ]; then
     peers=$(printf ', "prefill_peers": ["%s"]' "${KVB_PREFILL_PEERS//,/\", \"}")
   fi
-  config=$(printf '{"kv_connector": "KVBridgeConnector", "kv_role": "%s"%s, "kv_connector_extra_config": {"transport": "%s", "transport_options": %s, "mode": "%s", "timeout": %s, "lease": %s%s}}' \
-    "$role" "$extra" "$KVB_TRANSPORT" "$KVB_TRANSPORT_OPTIONS" "$KVB_MODE" "$KVB_TIMEOUT" "$KVB_LEASE" "$peers")
+  config=$(printf '{"kv_connector": "KVBridgeConnector", "kv_role": "%s"%s, "kv_connector_extra_config": {"transport": "%s", "transport_options": %s, "mode": "%s", "timeout": %s, "lease": %s%s%s}}' \
+    "$role" "$extra" "$KVB_TRANSPORT" "$KVB_TRANSPORT_OPTIONS" "$KVB_MODE" "$KVB_TIMEOUT" "$KVB_LEASE" "$peers" "$KVB_EXTRA")
   echo "kvbridge $role: $KVB_TRANSPORT $KVB_MODE, side channel $KVBRIDGE_HOST:$KVBRIDGE_PORT," \
        "HTTP $HTTP_HOST:$HTTP_PORT" >&2
   exec "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" \

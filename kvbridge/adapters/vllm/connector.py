@@ -84,6 +84,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         self.scheduler: SchedulerState | None = None
         self._declined_seen = self._held_blocks_seen = 0  # what the last stats reported
+        self._limit_sent = False
         #: The worker side's state; it opens its control plane at ``register_kv_caches``.
         self.worker = ConnectorWorker(self.options, self.engine_id, vllm_config, kv_cache_config)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -93,6 +94,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 int(kv_cache_config.num_blocks),
                 self.options.max_held_fraction,
                 self.options.max_held_requests,
+            )
+            log.info(
+                "kvbridge: prefill holds at most %d requests and %d of its %d KV blocks for "
+                "decode (max_held_requests, max_held_fraction)",
+                limits.max_requests,
+                limits.max_blocks,
+                int(kv_cache_config.num_blocks),
             )
             self.scheduler = SchedulerState(
                 groups,
@@ -221,11 +229,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if holds is None:
             return None
         declined, self._declined_seen = holds.declined - self._declined_seen, holds.declined
-        if not declined and holds.held_blocks == self._held_blocks_seen:
+        if not declined and holds.peak_blocks == self._held_blocks_seen and self._limit_sent:
             return None
-        self._held_blocks_seen = holds.held_blocks
+        self._held_blocks_seen, self._limit_sent = holds.peak_blocks, True
         stats = KVBridgeStats()
-        stats.record_holds(declined, holds.held_blocks)
+        stats.record_holds(declined, holds.peak_blocks, holds.limits.max_blocks)
         return stats
 
     @classmethod

@@ -154,6 +154,36 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             ),
         ]
 
+        # (data key, per-engine gauge): maxima the scheduler reports, set as they come.
+        self._gauges: list[tuple[str, dict[int, Any]]] = [
+            (
+                "held_blocks",
+                self._gauge(
+                    "vllm:kvbridge_held_blocks_peak",
+                    "The most KV blocks the prefill instance held for decode at one time since "
+                    "start (bounded by vllm:kvbridge_hold_limit_blocks).",
+                ),
+            ),
+            (
+                "hold_limit_blocks",
+                self._gauge(
+                    "vllm:kvbridge_hold_limit_blocks",
+                    "The most KV blocks the prefill instance holds for decode at once "
+                    "(max_held_fraction of its pool).",
+                ),
+            ),
+        ]
+
+    def _gauge(self, name: str, documentation: str) -> dict[int, Any]:
+        gauge_cls: Any = self._gauge_cls
+        metric = gauge_cls(
+            name=name,
+            documentation=documentation,
+            labelnames=self._labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
     def _histogram(self, name: str, documentation: str, buckets: list[float]) -> dict[int, Any]:
         # vLLM types the classes it hands in as any of its three metric kinds.
         histogram_cls: Any = self._histogram_cls
@@ -182,3 +212,6 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             count = len(value) if isinstance(value, (list, tuple)) else int(value)
             if count:
                 counter[engine_idx].inc(count)
+        for key, gauge in self._gauges:
+            if data.get(key):
+                gauge[engine_idx].set(int(data[key]))

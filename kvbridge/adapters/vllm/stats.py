@@ -25,8 +25,9 @@ SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "ha
 #: stopped: never handed back); loads whose
 #: integrity check (``verify``) found a difference; P: published requests whose lease expired
 #: before D released them, and of those the ones no D claimed (freed at the claim timeout);
-#: P's scheduler: prefills past its hold limit (P held nothing, D computed the prompt), and the
-#: most blocks held for decode at one time (``held_blocks``, a maximum like ``held``).
+#: P's scheduler: prefills past its hold limit (P held nothing, D computed the prompt), the
+#: most blocks it held for decode at one time since start (``held_blocks``) and its bound
+#: (``hold_limit_blocks``); those two are maxima, not sums.
 COUNTERS = (
     "failed",
     "fenced",
@@ -37,9 +38,10 @@ COUNTERS = (
     "unclaimed",
     "hold_declined",
     "held_blocks",
+    "hold_limit_blocks",
 )
 #: Counters that are the most at one time, not a sum over an interval.
-MAXIMA = ("held_blocks",)
+MAXIMA = ("held_blocks", "hold_limit_blocks")
 
 
 def _empty() -> dict[str, Any]:
@@ -76,10 +78,12 @@ class KVBridgeStats(KVConnectorStats):
         self.data["lease_expired"] += 1
         self.data["unclaimed"] += int(unclaimed)
 
-    def record_holds(self, declined: int, held_blocks: int) -> None:
-        """P's scheduler: prefills declined past the hold limit; blocks held for decode now."""
+    def record_holds(self, declined: int, peak_blocks: int, limit_blocks: int) -> None:
+        """P's scheduler: prefills declined past the hold limit; the most blocks held for
+        decode at one time since start, and the bound on them."""
         self.data["hold_declined"] += declined
-        self.data["held_blocks"] = max(int(self.data["held_blocks"]), held_blocks)
+        self.data["held_blocks"] = max(int(self.data["held_blocks"]), peak_blocks)
+        self.data["hold_limit_blocks"] = max(int(self.data["hold_limit_blocks"]), limit_blocks)
 
     def record_held(self, count: int) -> None:
         """Requests whose blocks wait for a fence right now."""

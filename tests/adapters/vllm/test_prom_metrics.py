@@ -273,3 +273,18 @@ def test_lease_expiry_on_prefill_reaches_the_stats_and_metrics(vllm_config: Vllm
     got = exported()
     assert sample(got, "vllm:kvbridge_lease_expiries_total") == 1
     assert sample(got, "vllm:kvbridge_transfer_failures_total") == 0  # P failed no load
+
+
+def test_holds_reach_prometheus_as_a_counter_and_two_gauges(vllm_config: VllmConfig) -> None:
+    """P's scheduler side: prefills declined past the hold limit are counted; the most blocks
+    held for decode since start and the bound are gauges (the peak never exceeds the bound)."""
+    prom = PrometheusStatLogger(vllm_config)
+    for declined, peak in ((0, 12), (3, 40), (2, 40)):
+        step = KVBridgeStats()
+        step.record_holds(declined, peak, 50)
+        prom.record(SchedulerStats(kv_connector_stats=step.to_dict()), None)
+    got = exported()
+    assert sample(got, "vllm:kvbridge_holds_declined_total") == 5
+    assert sample(got, "vllm:kvbridge_held_blocks_peak") == 40
+    assert sample(got, "vllm:kvbridge_hold_limit_blocks") == 50
+    assert KVBridgeStats(data=step.to_dict()).reduce()["hold_declined"] == 2

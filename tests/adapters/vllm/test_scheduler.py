@@ -7,6 +7,7 @@ import logging
 from vllm.v1.request import RequestStatus
 
 from kvbridge.adapters.vllm.scheduler import MODE_KEY, PARAMS_KEY, GroupInfo, SchedulerState
+from kvbridge.control.holds import HoldBudget, HoldLimits
 from kvbridge.control.requests import RankAddress
 from kvbridge.core import GroupKind
 from tests.adapters.vllm.conftest import blocks_of, make_request
@@ -152,3 +153,62 @@ def test_d_logs_and_counts_a_remote_prefill_without_kvbridge_parameters() -> Non
     assert "(1 such requests since start)" in lines[0] and sched.foreign_params == 1
     sched.update_state_after_alloc(req, blocks_of([[3, 4, 5]]), 0)
     assert not sched.build_step()  # nothing to load, nothing to release
+
+
+# -- capability tokens and hold limits (issue 28) ----------------------------------------------
+
+
+def test_each_request_gets_its_own_token_and_every_tp_rank_publishes_it() -> None:
+    sched = state()
+    first = prefill(sched, 130, ([3, 4, 5], [0, 0, 7, 9]), rid="a")
+    second = prefill(sched, 130, ([10, 11], [0, 12]), rid="b")
+    tokens = [first[PARAMS_KEY]["token"], second[PARAMS_KEY]["token"]]
+    assert all(len(t) >= 32 for t in tokens) and tokens[0] != tokens[1]
+    plan = sched.build_step()
+    assert [p.token for p in plan.publishes] == tokens  # the workers publish the same token
+
+
+def held_state(max_requests: int, max_blocks: int) -> SchedulerState:
+    ranks = [RankAddress("p", "tcp://127.0.0.1:1")]
+    holds = HoldBudget(HoldLimits(max_requests, max_blocks))
+    return SchedulerState(HYBRID, engine_id="p", ranks=ranks, transport="mooncake", holds=holds)
+
+
+def finish(sched: SchedulerState, rid: str, block_ids) -> tuple[bool, dict | None]:
+    req = make_request(rid, 130, {"do_remote_decode": True})
+    sched.on_new_request(req)
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    return sched.request_finished(req, block_ids)
+
+
+def test_past_the_hold_limit_p_holds_nothing_and_decode_computes(caplog) -> None:
+    sched = held_state(max_requests=100, max_blocks=10)
+    # 4 real blocks each (nulls are not held): two fit under 10, the third does not.
+    ids = ([3, 4, 5], [0, 0, 7])
+    assert finish(sched, "a", ids)[0] and finish(sched, "b", ids)[0]
+    assert sched.holds is not None and sched.holds.held_blocks == 8
+    with caplog.at_level(logging.WARNING, logger="kvbridge.vllm"):
+        for rid in ("c", "d"):
+            delay, params = finish(sched, rid, ids)
+            assert not delay and params is not None
+            assert params["do_remote_prefill"] is False and PARAMS_KEY not in params
+            assert "exceed its bound of 10" in params["kvbridge_declined"]
+    assert sched.holds.declined == 2 and sched.holds.held_blocks == 8
+    assert [p.request_id for p in sched.build_step().publishes] == ["a", "b"]
+    lines = [r.getMessage() for r in caplog.records if "holds nothing for decode" in r.message]
+    assert len(lines) == 1, lines  # rate-limited: one line for the burst, with the count
+    # D's scheduler reads the declined params as "prefill it here": nothing to load
+    d = state()
+    req = make_request("c", 130, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    # once P frees a hold, the next request fits again
+    sched.finished_sending({"a"})
+    assert sched.holds.held_blocks == 4 and finish(sched, "e", ids)[0]
+
+
+def test_the_request_bound_counts_requests_not_blocks() -> None:
+    sched = held_state(max_requests=1, max_blocks=1000)
+    assert finish(sched, "a", ([3], [0, 7]))[0]
+    delay, params = finish(sched, "b", ([4], [0, 8]))
+    assert not delay and "holds 1 requests for decode" in params["kvbridge_declined"]

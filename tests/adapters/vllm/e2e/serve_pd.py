@@ -367,6 +367,65 @@ def transfer_stats(url: str, want: int, wait: float = 15.0) -> dict[str, float]:
         time.sleep(0.5)
 
 
+#: P's hold settings in a flood run (``run_serve(flood=...)``): few holds, short unclaimed ones.
+FLOOD_HOLDS = {"KVB_MAX_HELD_REQUESTS": "4", "KVB_CLAIM_TIMEOUT": "15"}
+DECLINED = "vllm:kvbridge_holds_declined_total"
+UNCLAIMED = "vllm:kvbridge_unclaimed_holds_total"
+HELD_PEAK = "vllm:kvbridge_held_blocks_peak"
+HOLD_LIMIT = "vllm:kvbridge_hold_limit_blocks"
+
+
+def flood_prefill(
+    urls: dict[str, str], ref: Reference, count: int, max_tokens: int
+) -> dict[str, Any]:
+    """``count`` concurrent prefills marked for remote decode that nobody claims, sent to P
+    directly (as any client that reaches P's port could), and one normal request to P meanwhile.
+
+    What P answered each (held: kvbridge's params; declined: ``kvbridge_declined``), whether the
+    normal request was answered as the single instance, and P's hold metrics once every hold
+    has ended (bounded wait: the claim timeout and a margin).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    p_url = urls["prefill"]
+
+    def marked(i: int) -> dict[str, Any]:
+        prompt = [10 + (7 * i + j) % 900 for j in range(160)]
+        body = {
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as http:
+            reply = http.post(p_url + "/v1/completions", json=body)
+            reply.raise_for_status()
+            return dict(reply.json().get("kv_transfer_params") or {})
+
+    with ThreadPoolExecutor(count) as pool:
+        answers = list(pool.map(marked, range(count)))
+        normal = query(client_of(p_url), ref.prompts[0], max_tokens)
+    held = sum(1 for a in answers if "kvbridge" in a)
+    declined = sum(1 for a in answers if "kvbridge_declined" in a)
+    wait = float(FLOOD_HOLDS["KVB_CLAIM_TIMEOUT"]) + 20.0
+    deadline = time.monotonic() + wait
+    while True:
+        m = scrape(p_url)
+        if m.get(UNCLAIMED, 0.0) >= held or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return {
+        "sent": count,
+        "held": held,
+        "declined": declined,
+        "normal_match": normal["token_ids"] == ref.tokens[0],
+        "metrics": {name: m.get(name) for name in (DECLINED, UNCLAIMED, HELD_PEAK, HOLD_LIMIT)},
+    }
+
+
 def start_pair(
     ref: Reference,
     transport: str,
@@ -374,6 +433,7 @@ def start_pair(
     work: Path,
     hosts: tuple[Host, Host] | None,
     router: str = "kvbridge-proxy",
+    extra: dict[str, str] | None = None,
 ) -> tuple[list[Server], dict[str, str]]:
     """P, D and the proxy through ``examples/deploy``: the servers and the URLs to reach them.
 
@@ -384,7 +444,7 @@ def start_pair(
     secret = work / "secret"
     secret.write_text(uuid.uuid4().hex + "\n")
     secret.chmod(0o600)
-    deploy = deploy_vars(str(ref.model), transport, mode, secret)
+    deploy = {**deploy_vars(str(ref.model), transport, mode, secret), **(extra or {})}
     if transport == "nixl" and hosts is not None:
         # Two namespaces are one node to UCX, which would read through CMA: TCP, as across hosts.
         deploy["KVB_TRANSPORT_OPTIONS"] = json.dumps({"ucx": {"TLS": "tcp"}})
@@ -496,6 +556,7 @@ def run_serve(
     hosts: tuple[Host, Host] | None = None,
     router: str = "kvbridge-proxy",
     log: Any = print,
+    flood: int = 0,
 ) -> dict[str, Any]:
     """P, D and the proxy as deployed by ``examples/deploy``, ``ref``'s prompts via the OpenAI
     client: a summary.
@@ -503,7 +564,9 @@ def run_serve(
     ``ref`` (``run_pd.build_reference``) holds the model and its single-instance outputs.
     ``hosts``: P and D in these two network namespaces (call this inside D's, ``run_in``).
     Raises ``ServeError`` (with the logs' tails) when a server, the proxy or a request fails; a
-    token mismatch is reported in the summary (``ok`` False, per-prompt ``match``).
+    token mismatch is reported in the summary (``ok`` False, per-prompt ``match``). ``flood``:
+    then, with P's holds bounded (``FLOOD_HOLDS``), that many unclaimed prefills sent to P
+    directly (``flood_prefill``; the summary's ``flood``).
     """
 
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvb-serve-"))
@@ -516,7 +579,8 @@ def run_serve(
 
     try:
         t0 = time.perf_counter()
-        servers, urls = start_pair(ref, transport, mode, work, hosts, router)
+        extra = FLOOD_HOLDS if flood else None
+        servers, urls = start_pair(ref, transport, mode, work, hosts, router, extra)
         deadline = time.perf_counter() + START_DEADLINE_S
         # D's handshake counter then stays at 0 (checked by the tests).
         _, early = wait_ready(servers, urls, logs["decode"], deadline)
@@ -569,6 +633,9 @@ def run_serve(
         log(f"control (prompt 0's KV, other tokens): D used P's KV = {loaded}")
         stats = transfer_stats(urls["decode"], len(ps) + 2 + len(CHATS))
         log(f"D's connector stats, from its Prometheus /metrics: {stats}")
+        flooded = flood_prefill(urls, ref, flood, max_tokens) if flood else None
+        if flooded is not None:
+            log(f"flood of {flood} unclaimed prefills on P: {flooded}")
     except (Exception, KeyboardInterrupt) as exc:
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
         raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
@@ -590,6 +657,7 @@ def run_serve(
         # nothing: D's stats show the loads)
         "p_params_seen": router != "kvbridge-proxy" or all(r["remote_engine_id"] for r in results),
         "stats": stats,
+        "flood": flooded,
         "timings": timings,
         "work_dir": str(work),
         "logs": {k: str(p) for k, p in logs.items()},

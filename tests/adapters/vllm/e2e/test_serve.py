@@ -53,11 +53,34 @@ def test_served_pd_behind_vllm_router_matches_single_instance(
     KV (D's connector stats), with the mode P is configured with."""
     from tests.adapters.vllm.e2e.serve_pd import run_serve
 
+    flood = 24 if transport == "cma" else 0  # once: the holds do not depend on the transport
     summary = run_serve(
-        reference("llama"), transport=transport, mode=mode, work_dir=tmp_path, router="vllm-router"
+        reference("llama"),
+        transport=transport,
+        mode=mode,
+        work_dir=tmp_path,
+        router="vllm-router",
+        flood=flood,
     )
     check(summary)
     assert summary["stats"]["transfers"] >= len(summary["results"]) + 2 + len(summary["chats"])
+    if flood:
+        check_flood(summary["flood"])
+
+
+def check_flood(flood: dict[str, Any]) -> None:
+    """A flood of unclaimed prefills sent to P directly (issue 28): P answered every one, held
+    at most its bound (4 requests here) and nothing past the claim timeout, declined the rest
+    (D would compute those prompts), and answered a normal request meanwhile."""
+    from tests.adapters.vllm.e2e.serve_pd import DECLINED, HELD_PEAK, HOLD_LIMIT, UNCLAIMED
+
+    m = flood["metrics"]
+    assert flood["held"] + flood["declined"] == flood["sent"], flood
+    assert 1 <= flood["held"] <= 4 and flood["declined"] >= 1, flood
+    assert flood["normal_match"], flood  # P kept serving normal traffic
+    assert m[DECLINED] == flood["declined"], flood
+    assert m[UNCLAIMED] == flood["held"], flood  # every hold ended, unclaimed, at the timeout
+    assert m[HOLD_LIMIT] and 0 < m[HELD_PEAK] <= m[HOLD_LIMIT], flood
 
 
 @pytest.mark.timeout(600)
