@@ -253,6 +253,31 @@ def test_bound_engines_still_move_bytes_between_hosts(
         d.close()
 
 
+@pytest.mark.parametrize("transport", ENGINES)
+def test_loopback_host_moves_bytes_on_one_host(tmp_path: Path, transport: str) -> None:
+    """host = 127.0.0.1 (the connector's default side channel): NIXL is bound to ``lo`` (and
+    may still use cma); both engines move bytes between two processes of this host."""
+    peers = [
+        PeerProcess(transport, options(transport, "127.0.0.1"), SIZE, tmp_path / f"{i}.log")
+        for i in range(2)
+    ]
+    p, d = peers
+    try:
+        p.call(cmd="fill", seed=7)
+        assert d.call(cmd="connect", peer="p", metadata=_b64(p.metadata))["ok"]
+        assert p.call(cmd="connect", peer="d", metadata=_b64(d.metadata))["ok"]
+        reply = d.call(
+            cmd="transfer", op="read", peer="p", local=[0], remote=[p.addr], lengths=[SIZE]
+        )
+        assert reply["ok"], reply
+        assert np.array_equal(dump(d, tmp_path / "d.bin"), random_bytes(7, SIZE))
+        if transport == "nixl":
+            assert all(lst.address == "127.0.0.1" for lst in listeners.listening_sockets(p.pid))
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 def dump(peer: PeerProcess, path: Path) -> np.ndarray:
     assert peer.call(cmd="dump", path=str(path))["ok"]
     return np.fromfile(path, dtype=np.uint8)

@@ -441,9 +441,16 @@ class NixlTransport(Transport):
         try:
             loaded = self._agent.add_remote_agent(meta.blob)
         except self._errors as err:
+            hint = ""
+            if type(err).__name__ == "nixlBackendError":
+                hint = (
+                    "; UCX may have no transport that reaches the peer: an agent whose host "
+                    "option is a loopback or other local-only address is bound to that "
+                    "interface and unreachable from other hosts"
+                )
             raise PeerError(
                 f"NIXL could not load the metadata of peer {peer!r} (agent {meta.agent!r}): "
-                f"{_describe(err)}"
+                f"{_describe(err)}{hint}"
             ) from None
         entry.agent = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         for alias in aliases:
