@@ -140,6 +140,7 @@ class Transport(TransportContract):
         self._ranges = RegisteredRanges()
         self._devices: dict[DeviceKey, RegisteredRanges] = {}
         self._peers: dict[str, Any] = {}  # peer name -> the plugin's peer state
+        self._wide_listeners: list[str] = []  # set by plugins whose engine listens
         # The engine model, chosen once: no method of the kit asks which it is.
         self._driver: EngineDriver[Any] = (
             BlockingDriver(self, self._lock)
@@ -236,6 +237,14 @@ class Transport(TransportContract):
     @property
     def registered(self) -> list[MemoryRange]:
         return list(self._ranges)
+
+    @property
+    def wide_listeners(self) -> list[str]:
+        """The engine's listening sockets that accept on more than the configured host, e.g.
+        ``["tcp 0.0.0.0:16421 (RPC)"]``: whoever reaches them may reach registered memory.
+        Empty when the engine listens only where configured, or opens no listener; a plugin
+        fills it at construction (and logs a warning) when its engine cannot be bound."""
+        return list(self._wide_listeners)
 
     def _check_open(self) -> None:
         if self._closed:

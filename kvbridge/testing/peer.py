@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,12 +183,14 @@ class PeerProcess:
         log_path: Path,
         device: str = "cpu",
         start_timeout: float = 60.0,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self._pending = b""
         self.proc = subprocess.Popen(
             [
+                *prefix,  # e.g. ``ip netns exec NAME``, which runs the peer in place
                 sys.executable,
                 "-m",
                 "kvbridge.testing.peer",

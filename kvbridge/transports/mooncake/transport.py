@@ -42,7 +42,10 @@ module is the engine calls.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import logging
+import threading
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -59,7 +62,10 @@ from kvbridge.core.transport import (
     Transport,
     TransportLimits,
 )
+from kvbridge.transports import listeners
 from kvbridge.transports.mooncake import batch_status
+
+log = logging.getLogger("kvbridge.transports")
 
 #: ``metadata_server`` value that makes engines exchange metadata peer to peer (no server).
 P2P_HANDSHAKE = "P2PHANDSHAKE"
@@ -74,6 +80,18 @@ _INSTALL_HINT = (
     "pip install 'kvbridge[mooncake]' (package mooncake-transfer-engine-non-cuda; "
     "on a CUDA machine pip install 'kvbridge[mooncake-cuda]' instead)"
 )
+#: Why Mooncake's listeners cannot be bound (read in its source, seen in 0.3.13.post1): the P2P
+#: handshake (RPC) socket binds ``INADDR_ANY`` (``findAvailableTcpPort``, ``startDaemon``) and the
+#: TCP data port a dual-stack ``[::]`` acceptor (``TcpContext``); no setting names an address
+#: (``MC_TCP_BIND_ADDRESS`` only names the address announced with a metadata server).
+UNBINDABLE = "Mooncake binds its RPC and data ports to every interface and has no setting for it"
+#: the variables that bound both ports' range (Mooncake reads them into its global config once,
+#: when ``mooncake.engine`` is imported; ``_pin_ports`` has it read them again)
+PORT_RANGE_ENV = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
+#: ``mooncake::globalConfig()`` and ``mooncake::loadGlobalConfig(GlobalConfig&)`` in engine.so
+_GLOBAL_CONFIG = "_ZN8mooncake12globalConfigEv"
+_LOAD_GLOBAL_CONFIG = "_ZN8mooncake16loadGlobalConfigERNS_12GlobalConfigE"
+_CONFIG_LOCK = threading.Lock()
 _ENGINE_ERRORS = {-7: "the range overlaps one already registered (Mooncake forbids overlaps)"}
 
 
@@ -103,6 +121,26 @@ def _engine_supports_vram() -> bool:
     return False
 
 
+def _pin_ports(engine_module: Any, env: dict[str, str]) -> bool:
+    """Have Mooncake read its port range (``env``, set for the call) again; False: cannot.
+
+    The engine reads ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` (with every other ``MC_*`` setting)
+    into a process-wide config once, at import, and picks both listening ports from that range
+    in ``initialize``. ``loadGlobalConfig`` on that config reads the environment again: settings
+    not set keep their value, the others get the value of the environment at this moment.
+    """
+    try:
+        lib = ctypes.CDLL(engine_module.__file__)
+        get, load = getattr(lib, _GLOBAL_CONFIG), getattr(lib, _LOAD_GLOBAL_CONFIG)
+    except (OSError, AttributeError, TypeError):
+        return False
+    get.argtypes, get.restype = [], ctypes.c_void_p
+    load.argtypes, load.restype = [ctypes.c_void_p], None
+    with _CONFIG_LOCK, environment_overrides(env):
+        load(get())
+    return True
+
+
 def _location(device: tuple[MemoryKind, int]) -> str:
     """Mooncake location string: any NUMA node for host memory, the GPU for VRAM."""
     return f"cuda:{device[1]}" if device[0] is MemoryKind.VRAM else "*"
@@ -114,7 +152,15 @@ class MooncakeTransport(Transport):
     Options (keyword only):
         protocol: engine protocol, ``"tcp"`` (default), ``"rdma"``, ... passed through.
         device_name: engine device filter, e.g. RDMA NIC names separated by commas.
-        hostname: address this agent listens on and announces to peers.
+        hostname: address this agent announces to peers (``host`` or ``host:port``). Mooncake
+            cannot bind its listeners to it: the RPC (handshake) and TCP data ports accept on
+            every interface, which ``wide_listeners`` lists and a WARNING names at
+            construction (unless ``hostname`` is ``0.0.0.0``); firewall them.
+        port_range: ``(lo, hi)``: the RPC and data ports are picked from this range (Mooncake's
+            ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``, default 15000-17000; a value the user set
+            in the environment wins, with a log line). Mooncake keeps the range in a
+            process-wide config, which kvbridge has it re-read before ``initialize``; ports
+            outside the range after all raise ``TransportError``.
         metadata_server: ``"P2PHANDSHAKE"`` (peers exchange metadata directly) or the address
             of a metadata server (``etcd://...``, ``http://...``).
         max_batch: most descriptors handed to the engine in one call; bigger batches are split.
@@ -144,8 +190,10 @@ class MooncakeTransport(Transport):
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         retries: int = 1,
         timeout: float = 30.0,
+        port_range: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(timeout=timeout, retries=retries)
+        self.port_range = listeners.check_port_range(port_range)
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_in_flight < max_batch:
@@ -156,9 +204,22 @@ class MooncakeTransport(Transport):
         self.protocol = protocol
         self._session = hostname
         self._status = batch_status.load(importlib.import_module(engine_cls.__module__))
-        with environment_overrides({"MC_TRANSFER_TIMEOUT": str(ENGINE_WAIT_S)}):
+        env = {"MC_TRANSFER_TIMEOUT": str(ENGINE_WAIT_S)}
+        pinned = {}
+        if self.port_range is not None:
+            ours = dict(zip(PORT_RANGE_ENV, map(str, self.port_range), strict=True))
+            pinned = listeners.settings_not_set(ours, {}, log, "mooncake")
+            if pinned and not _pin_ports(importlib.import_module(engine_cls.__module__), pinned):
+                raise TransportError(
+                    "this Mooncake build does not export loadGlobalConfig, so port_range cannot "
+                    "be applied; set MC_MIN_RPC_PORT and MC_MAX_RPC_PORT in the environment of "
+                    "the process before it starts instead"
+                )
+        before = {lst.inode for lst in listeners.listening_sockets()}
+        with environment_overrides(env):
             engine = engine_cls()
             rc = engine.initialize(hostname, metadata_server, protocol, device_name)
+        opened = [lst for lst in listeners.listening_sockets() if lst.inode not in before]
         if rc != 0:
             raise TransportError(
                 f"the Mooncake engine did not start: initialize({hostname!r}, "
@@ -166,9 +227,28 @@ class MooncakeTransport(Transport):
                 f"{self.log_hint}"
             )
         self._engine: Any = engine
+        rpc_port = int(engine.get_rpc_port())
+        host = listeners.host_part(hostname)
         if metadata_server == P2P_HANDSHAKE:
-            host = hostname.rsplit(":", 1)[0] if hostname.count(":") == 1 else hostname
-            self._session = f"{host}:{int(engine.get_rpc_port())}"
+            self._session = f"{host}:{rpc_port}"
+        #: the engine's listening sockets, as the kernel reports them after ``initialize``
+        self.listeners: list[listeners.Listener] = opened
+        if len(pinned) == len(PORT_RANGE_ENV) and self.port_range is not None:
+            lo, hi = self.port_range
+            outside = [str(lst) for lst in opened if not lo <= lst.port <= hi]
+            if outside:
+                self._engine = None
+                raise TransportError(
+                    f"the Mooncake engine listens on {', '.join(outside)}, outside port_range "
+                    f"{lo}-{hi} (another thread may have changed Mooncake's port range); "
+                    f"{self.log_hint}"
+                )
+        labels = {rpc_port: "RPC"} | {
+            lst.port: "data" for lst in opened if lst.port != rpc_port and lst.protocol == "tcp"
+        }
+        self._wide_listeners = listeners.report_wide(
+            "mooncake", host, opened, log, labels, UNBINDABLE
+        )
         kinds = {MemoryKind.DRAM, *([MemoryKind.VRAM] if _engine_supports_vram() else [])}
         self._open(TransportLimits(int(max_batch), int(max_in_flight), frozenset(kinds)))
 

@@ -68,6 +68,7 @@ from kvbridge.core.transport import (
     TransportLimits,
     device_holding,
 )
+from kvbridge.transports import listeners
 
 #: The exact command that installs the engine without dragging in torch and CUDA (about 6 GB).
 INSTALL_COMMAND = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
@@ -83,6 +84,7 @@ _OPS = {TransferOp.READ: "READ", TransferOp.WRITE: "WRITE"}
 
 #: Every transport not yet closed, so ``exit_cleanly`` can close them before leaving.
 _LIVE: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
+log = logging.getLogger("kvbridge.transports")
 
 _Device = tuple[MemoryKind, int]
 
@@ -202,6 +204,45 @@ def _ucx_environment(ucx: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+def _rdma_devices() -> list[str]:
+    """UCX names (``mlx5_0:1``) of the host's RDMA device ports, kept in ``UCX_NET_DEVICES``."""
+    root = Path("/sys/class/infiniband")
+    with suppress(OSError):
+        return sorted(
+            f"{dev.name}:{port.name}"
+            for dev in root.iterdir()
+            for port in (dev / "ports").iterdir()
+        )
+    return []
+
+
+def _listen_environment(
+    host: str | None, port_range: tuple[int, int] | None, user: dict[str, str]
+) -> dict[str, str]:
+    """``UCX_NET_DEVICES`` and ``UCX_TCP_PORT_RANGE`` from the ``host`` and ``port_range`` options.
+
+    UCX's TCP transport listens on every network device it uses, each on that device's address:
+    naming only the interface that holds ``host`` (plus RDMA ports, which open no TCP listener)
+    binds it there. The user's own ``UCX_*`` settings win, with a log line.
+    """
+    ours: dict[str, str] = {}
+    if host is not None and not listeners.is_wildcard(host):
+        address = listeners.resolve_host(host)
+        interface = listeners.interface_of(address) if address is not None else None
+        if interface is None:
+            log.warning(
+                "kvbridge nixl: no network interface holds host %s (%s); UCX keeps listening "
+                "on every interface",
+                host,
+                address or "unresolved",
+            )
+        else:
+            ours["UCX_NET_DEVICES"] = ",".join([interface, *_rdma_devices()])
+    if port_range is not None:
+        ours["UCX_TCP_PORT_RANGE"] = f"{port_range[0]}-{port_range[1]}"
+    return listeners.settings_not_set(ours, user, log, "nixl")
+
+
 # -- peers ----------------------------------------------------------------------------------------
 
 
@@ -255,11 +296,21 @@ class NixlTransport(Transport):
             first agent of the process.
         device_id: the CUDA device of this agent's GPU memory; when given, registering GPU memory
             of another device is refused (each range names its device in ``MemoryRange``).
+        host: the address this agent's UCX listeners bind to (the vLLM connector sets it from
+            its side-channel ``host``): UCX's TCP transport then uses only the interface holding
+            it (``UCX_NET_DEVICES=<interface>`` plus the host's RDMA ports), so it listens on
+            that interface's address alone. ``None``, ``0.0.0.0`` or ``::``: every interface
+            (UCX's default). A ``NET_DEVICES`` in ``ucx`` or ``UCX_NET_DEVICES`` in the
+            environment wins (logged). A listener left on another address is named by a
+            WARNING and in ``wide_listeners``.
+        port_range: ``(lo, hi)``: UCX's TCP listeners take ports from this range
+            (``UCX_TCP_PORT_RANGE``; a user's setting wins).
     """
 
     name: ClassVar[str] = "nixl"
     install_hint: ClassVar[str] = _INSTALL_HINT
     metadata_version: ClassVar[int] = 2
+    host_option: ClassVar[str | None] = "host"
 
     def __init__(
         self,
@@ -271,6 +322,8 @@ class NixlTransport(Transport):
         timeout: float = 30.0,
         ucx: dict[str, Any] | None = None,
         device_id: int | None = None,
+        host: str | None = None,
+        port_range: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(timeout=timeout)
         if isinstance(backends, str):
@@ -282,12 +335,16 @@ class NixlTransport(Transport):
         self.agent_name = agent_name or f"kvbridge-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.backends = tuple(backends)
         self.device_id = device_id
-        self.ucx_environment = _ucx_environment(dict(ucx or {}))
+        self.host = host
+        self.port_range = listeners.check_port_range(port_range)
+        ucx_env = _ucx_environment(dict(ucx or {}))
+        self.ucx_environment = {**ucx_env, **_listen_environment(host, self.port_range, ucx_env)}
         config = api.nixl_agent_config(
             enable_prog_thread=bool(progress_thread), backends=list(self.backends)
         )
         # NIXL raises RuntimeError when no plugin at all could be loaded.
         startup_errors: tuple[type[BaseException], ...] = (*self._errors, RuntimeError)
+        before = {lst.inode for lst in listeners.listening_sockets()}
         try:
             with environment_overrides(self.ucx_environment):
                 agent = _start_agent(api, self.agent_name, config, int(progress_delay_us))
@@ -306,6 +363,12 @@ class NixlTransport(Transport):
         if all("VRAM_SEG" in agent.get_backend_mem_types(b) for b in self.backends):
             kinds.add(MemoryKind.VRAM)
         self._agent: Any = agent
+        #: the agent's listening sockets (UCX's TCP interfaces), as the kernel reports them
+        self.listeners = [lst for lst in listeners.listening_sockets() if lst.inode not in before]
+        if host is not None:
+            self._wide_listeners = listeners.report_wide(
+                "nixl", host, self.listeners, log, why="UCX uses more than the host's interface"
+            )
         self._open(TransportLimits(memory_kinds=frozenset(kinds)))
         _LIVE.add(self)
 
@@ -378,9 +441,16 @@ class NixlTransport(Transport):
         try:
             loaded = self._agent.add_remote_agent(meta.blob)
         except self._errors as err:
+            hint = ""
+            if type(err).__name__ == "nixlBackendError":
+                hint = (
+                    "; UCX may have no transport that reaches the peer: an agent whose host "
+                    "option is a loopback or other local-only address is bound to that "
+                    "interface and unreachable from other hosts"
+                )
             raise PeerError(
                 f"NIXL could not load the metadata of peer {peer!r} (agent {meta.agent!r}): "
-                f"{_describe(err)}"
+                f"{_describe(err)}{hint}"
             ) from None
         entry.agent = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         for alias in aliases:
