@@ -456,11 +456,15 @@ class _Checker:
             with contextlib.suppress(KvbridgeError):
                 self._ask(client, Probe("end"))
         ms = (time.monotonic() - start) * 1e3
+        wide = transport.wide_listeners
+        # The engine's own listeners have no authentication: say where they are wider than asked.
+        exposed = f"; its engine here listens wider than asked: {', '.join(wide)}" if wide else ""
         return Check(
             "data path",
             True,
             f"{transport.name}: {size:,} B {self.peer_role} -> here and {size:,} B here -> "
-            f"{self.peer_role}, byte for byte, in {ms:.1f} ms (scratch memory, not the KV cache)",
+            f"{self.peer_role}, byte for byte, in {ms:.1f} ms (scratch memory, not the KV "
+            f"cache){exposed}",
         )
 
 

@@ -210,6 +210,11 @@ def prompt_count(body: dict[str, Any]) -> int:
     return len(prompt)
 
 
+#: The keys of a client's ``kv_transfer_params`` the proxy passes on to P (the others are
+#: dropped; D gets only what P returned).
+CLIENT_PARAMS = frozenset({"kvbridge_mode"})
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request P gets: one token, no streaming, asking P to publish its KV for D."""
     out = dict(body)
@@ -220,8 +225,13 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["n"] = 1
     for key in ("stream_options", "min_tokens"):  # invalid without streaming / above 1 token
         out.pop(key, None)
-    # The client's own params (e.g. ``kvbridge_mode``) ride along; P must publish for D.
-    out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "do_remote_decode": True}
+    # Of the client's own params only the per-request mode rides along: anything else (a forged
+    # ``do_remote_prefill`` with another request's parameters) would make P load KV from where
+    # the client says, into blocks other requests may reuse. P must publish for D.
+    given = body.get("kv_transfer_params")
+    given = given if isinstance(given, dict) else {}
+    kept = {k: v for k, v in given.items() if k in CLIENT_PARAMS}
+    out["kv_transfer_params"] = {**kept, "do_remote_decode": True}
     return out
 
 

@@ -359,3 +359,62 @@ def test_create_app_without_the_extra_raises_import_error_naming_it(tmp_path: Pa
     assert r.returncode == 0, r.stderr
     hint = "the P/D proxy needs the proxy extra: pip install 'kvbridge[proxy]'"
     assert r.stdout.strip() == f"{hint} | fastapi"
+
+
+def test_a_clients_forged_transfer_params_never_reach_p_or_d() -> None:
+    """Issue 28: a client naming another request's parameters (or asking P to load from an
+    engine of its choosing) gets them dropped; P sees only the mode, D only what P returned."""
+    seen: dict[str, Any] = {}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen[req.url.host] = json.loads(req.content)
+        if req.url.host == "prefill":
+            return httpx.Response(200, json={"choices": [{}], "kv_transfer_params": PARAMS})
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    forged = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "kvbridge": {"request_id": "someone-else", "endpoint": "tcp://evil:1", "token": "x"},
+        "kvbridge_mode": "push",
+    }
+    with client(handler) as c:
+        r = c.post(
+            "/v1/completions", json={"model": "m", "prompt": [1], "kv_transfer_params": forged}
+        )
+        assert r.status_code == 200
+        assert seen["prefill"]["kv_transfer_params"] == {
+            "kvbridge_mode": "push",
+            "do_remote_decode": True,
+        }
+        assert seen["decode"]["kv_transfer_params"] == PARAMS
+        # not an object: dropped, the request still served
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [1], "kv_transfer_params": 7})
+        assert r.status_code == 200
+        assert seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True}
+
+
+@pytest.mark.parametrize(
+    ("payload", "status"),
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'"text"', 400),
+        (json.dumps({"model": "m", "prompt": [[1], [2]]}).encode(), 400),
+        (json.dumps({"model": "m", "prompt": ["a", "b"]}).encode(), 400),
+        (b"\xff\xfe\x00", 400),
+    ],
+)
+def test_malformed_client_bodies_are_refused_before_any_backend_is_called(
+    payload: bytes, status: int
+) -> None:
+    calls: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append(req.url.host)
+        return httpx.Response(500)
+
+    with client(handler) as c:
+        r = c.post("/v1/completions", content=payload, headers={"content-type": "application/json"})
+    assert r.status_code == status and "message" in r.json()["error"]
+    assert calls == []  # nothing reached P or D
