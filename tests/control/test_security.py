@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvbridge.control import auth
 from kvbridge.control.messages import (
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     Auth,
     Challenge,
     ErrorReply,
@@ -142,11 +143,40 @@ messages = st.one_of(
         ),
         st.dictionaries(
             st.sampled_from(
-                ["type", "request_id", "block_ids", "ok", "reason", "engine_id", "nonce", "proof"]
+                [
+                    "type",
+                    "request_id",
+                    "block_ids",
+                    "ok",
+                    "reason",
+                    "engine_id",
+                    "nonce",
+                    "proof",
+                    "token",
+                    "rank",
+                    "tp_size",
+                    "offset",
+                    "length",
+                    "action",
+                ]
             ),
             st.one_of(
                 st.sampled_from(
-                    ["pull_start", "release", "abort", "push_request", "handshake", "hello", "auth"]
+                    [
+                        "pull_start",
+                        "release",
+                        "abort",
+                        "push_request",
+                        "handshake",
+                        "hello",
+                        "auth",
+                        "auth_refused",
+                        "push_query",
+                        "digest_request",
+                        "probe",
+                        "probe_connect",
+                        "describe",
+                    ]
                 ),
                 st.integers(-(2**63), 2**64 - 1),
                 st.text(max_size=30),
@@ -157,7 +187,7 @@ messages = st.one_of(
             ),
             max_size=5,
         ),
-        st.sampled_from([1, 1, 1, 0, 2]),
+        st.sampled_from([PROTOCOL_VERSION] * 3 + [0, PROTOCOL_VERSION - 1]),
         st.integers(0, 2**62),
     ),
 )

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvbridge.control import auth
 from tests.control.conftest import FAULT_TIMINGS
 from tests.control.engine import BlockAllocator, EngineProcess
 
@@ -76,9 +77,14 @@ def start_side(engines, transport: str, side: str, size: int, model: dict, **con
 
 
 def publish(p: list[EngineProcess], rid: str, ids: dict, tokens: int, mode: str) -> dict:
-    """Publish on every P rank; the transfer parameters the serving engine hands to D."""
+    """Publish on every P rank; the transfer parameters the serving engine hands to D.
+
+    One capability token for every rank, as vLLM's scheduler makes it for the request."""
+    token = auth.new_token()
     params = [
-        r.call(cmd="publish", request_id=rid, block_ids=ids, num_tokens=tokens, mode=mode)
+        r.call(
+            cmd="publish", request_id=rid, block_ids=ids, num_tokens=tokens, mode=mode, token=token
+        )
         for r in p
     ]
     out = dict(params[0])

@@ -197,7 +197,9 @@ def test_past_the_hold_limit_p_holds_nothing_and_decode_computes(caplog) -> None
     assert sched.holds.declined == 2 and sched.holds.held_blocks == 8
     assert [p.request_id for p in sched.build_step().publishes] == ["a", "b"]
     lines = [r.getMessage() for r in caplog.records if "holds nothing for decode" in r.message]
-    assert len(lines) == 1, lines  # rate-limited: one line for the burst, with the count
+    # rate-limited: one line for the burst (the first decline's; vLLM 0.33's logging setup may
+    # hand caplog the same record twice)
+    assert set(lines) == {lines[0]} and "(1 declined since start)" in lines[0], lines
     # D's scheduler reads the declined params as "prefill it here": nothing to load
     d = state()
     req = make_request("c", 130, params)
