@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -56,6 +57,11 @@ class TransferPlan:
     """Descriptors that move a request's blocks from ``src`` to ``dst`` memory.
 
     ``unmerged`` is the descriptor count before merging; ``groups`` breaks the plan down.
+
+    A plan made ``by_layer`` is cut by layer: ``layers`` names them in the layout's order and
+    ``layer_starts`` (one more entry than ``layers``) says where each one's descriptors begin;
+    each layer's run is sorted by source and merged within the layer only, so it can be sent
+    on its own as soon as that layer is computed (``for_layers``).
     """
 
     src: AddrArray
@@ -63,10 +69,36 @@ class TransferPlan:
     lengths: AddrArray
     unmerged: int
     groups: tuple[GroupPlanStats, ...]
+    layers: tuple[str, ...] = ()
+    layer_starts: IdArray | None = None
 
     @property
     def count(self) -> int:
         return int(self.lengths.shape[0])
+
+    def for_layers(self, names: Iterable[str]) -> TransferPlan:
+        """The descriptors of these layers only (views where one layer is asked for).
+
+        Layers this plan does not name move nothing (a layer of a group the request does not
+        transfer); a plan not made ``by_layer`` cannot be cut and raises ``PlanError``.
+        """
+        if self.layer_starts is None:
+            raise PlanError("this plan was not made by_layer: plan_transfers(..., by_layer=True)")
+        index = {name: i for i, name in enumerate(self.layers)}
+        picked = sorted({index[n] for n in names if n in index})
+        starts = self.layer_starts
+        cuts = [slice(int(starts[i]), int(starts[i + 1])) for i in picked]
+        if len(cuts) == 1:
+            s, d, n = self.src[cuts[0]], self.dst[cuts[0]], self.lengths[cuts[0]]
+        elif cuts:
+            s, d, n = (
+                np.concatenate([a[c] for c in cuts]) for a in (self.src, self.dst, self.lengths)
+            )
+        else:
+            s = d = n = np.empty(0, dtype=np.uint64)
+        bounds = np.cumsum([0, *(c.stop - c.start for c in cuts)], dtype=np.int64)
+        layers = tuple(self.layers[i] for i in picked)
+        return TransferPlan(s, d, n, int(n.shape[0]), (), layers, bounds)
 
     @property
     def nbytes(self) -> int:
@@ -311,8 +343,13 @@ class _PairTemplate:
     rows: _Rows | None
 
 
-def _build_template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _PairTemplate:
-    """The pair's template (``_TEMPLATES`` keeps it: layouts never change once built)."""
+def _build_template(
+    src: GroupRegions, dst: GroupRegions, collapse: bool, fuse: bool = True
+) -> _PairTemplate:
+    """The pair's template (``_TEMPLATES`` keeps it: layouts never change once built).
+
+    ``fuse`` lets regions that continue one another merge into one row (``_fuse_regions``);
+    a plan cut by layer keeps one row per tensor, so no descriptor spans two layers."""
     # Pair regions by key: the two sides may list layers in different orders.
     order = {key: i for i, key in enumerate(src.keys)}
     pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
@@ -339,14 +376,15 @@ def _build_template(src: GroupRegions, dst: GroupRegions, collapse: bool) -> _Pa
         inner_axes = 2 if inner else 1
         arrays = _collapse_units(arrays, inner_axes)
         if math.prod(arrays[0].shape[-inner_axes:]) == 1:
-            rows = _rows_of(_fuse_regions(arrays))
+            rows = _rows_of(_fuse_regions(arrays) if fuse else arrays)
     return _PairTemplate(axes, arrays, math.prod(shape), rows)
 
 
-#: Templates per pair of group regions, with and without ``collapse``.
-_TEMPLATES: dict[bool, PairMemo[GroupRegions, GroupRegions, _PairTemplate]] = {
-    collapse: PairMemo(functools.partial(_build_template, collapse=collapse))
+#: Templates per pair of group regions, by ``(collapse, fuse)``.
+_TEMPLATES: dict[tuple[bool, bool], PairMemo[GroupRegions, GroupRegions, _PairTemplate]] = {
+    (collapse, fuse): PairMemo(functools.partial(_build_template, collapse=collapse, fuse=fuse))
     for collapse in (False, True)
+    for fuse in (False, True)
 }
 
 
@@ -358,6 +396,7 @@ def _plan_group(
     *,
     collapse: bool,
     sort_runs: bool = False,
+    fuse: bool = True,
 ) -> _GroupDescriptors:
     """One group's descriptors and how many there are before any merging.
 
@@ -365,7 +404,7 @@ def _plan_group(
     blocks too when that can be done on block ids (``_merge_rows``), so the arrays may be
     shorter than the count; ``sort_runs`` then lists each region's runs by address.
     """
-    template = _TEMPLATES[collapse](src, dst)
+    template = _TEMPLATES[collapse, collapse and fuse](src, dst)
     count = template.per_block * int(dst_ids.size)
     if template.rows is not None:
         return replace(_merge_rows(template.rows, src_ids, dst_ids, sort_runs), count=count)
@@ -461,13 +500,16 @@ def plan_transfers(
     *,
     merge: bool = True,
     check: bool = True,
+    by_layer: bool = False,
 ) -> TransferPlan:
     """Plan moving a request's blocks from the ``src`` layout to the ``dst`` layout.
 
     Block ids are logical ids per group index. A group absent from both mappings moves nothing;
     a group given on one side only is an error. Ids checked already against an equal group
     (``CheckedBlockIds``) are not checked again. With ``check`` the layouts' compatibility is
-    verified first and destination ranges are checked not to overlap.
+    verified first and destination ranges are checked not to overlap. With ``by_layer`` the one
+    plan is cut by layer (``TransferPlan.layers``, ``for_layers``): merged within each layer,
+    never across two (a layout whose block holds every layer then needs more descriptors).
     """
     if check:
         check_compatible(src, dst, ("source", "destination"))
@@ -497,6 +539,11 @@ def plan_transfers(
             sg.group, dg.group, group_ids(src_block_ids, index), group_ids(dst_block_ids, index)
         )
         pairs.append((sg, dg, s_ids, d_ids))
+    if by_layer:
+        plan, extents = _plan_layered(pairs, merge)
+        if check and plan.count > 1 and not (extents is not None and _disjoint_extents(extents)):
+            _check_disjoint(plan.dst, plan.lengths, "destination")
+        return plan
     plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)
     if (
         merge
@@ -593,3 +640,71 @@ def _plan_pairs(
     extents = [p.dst_extents for p in parts if p.dst_extents is not None]
     proof = np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
     return TransferPlan(s_all, d_all, n_all, unmerged, tuple(stats)), proof, disjoint
+
+
+def _tensor_layers(dst: GroupRegions) -> list[str]:
+    """The layer of each tensor (planning row) of a group, in its regions' order: an attention
+    tensor gives a K and a V region, every other tensor one."""
+    parts = 2 if dst.regions and dst.regions[0].part is not Part.WHOLE else 1
+    return [r.layer_name for r in dst.regions[::parts]]
+
+
+def _plan_layered(pairs: list[_GroupPair], merge: bool) -> tuple[TransferPlan, IdArray | None]:
+    """Every group's descriptors, each tagged with its layer, merged within a layer only and
+    ordered by layer (in the layouts' order), then by source.
+
+    A group's descriptor arrays are tensor-major (the planner broadcasts regions on the first
+    axis, and only the axes after it are fused), so descriptor ``i`` of a part with ``T``
+    tensors belongs to tensor ``i // (size / T)``: the tags cost a ``repeat``, not a search.
+    """
+    layer_index: dict[str, int] = {}
+    parts: list[_GroupDescriptors] = []
+    tags: list[npt.NDArray[np.int64]] = []
+    stats: list[GroupPlanStats] = []
+    for sg, dg, s_ids, d_ids in pairs:
+        part = _plan_group(sg, dg, s_ids, d_ids, collapse=merge, fuse=False)
+        layers = _tensor_layers(dg)
+        codes = np.array([layer_index.setdefault(n, len(layer_index)) for n in layers], np.int64)
+        size = int(part.src.size)
+        if layers and size % len(layers):
+            raise PlanError(f"group {dg.group.index}: {size} descriptors for {len(layers)} tensors")
+        per_tensor = size // len(layers) if layers else 0
+        parts.append(part)
+        tags.append(np.repeat(codes, per_tensor))
+        stats.append(
+            GroupPlanStats(
+                dg.group.index,
+                dg.group.kind,
+                len(dg.regions),
+                int(d_ids.size),
+                part.count,
+                int(part.lengths.sum()),
+            )
+        )
+    if parts:
+        s, d, n, t = (
+            np.concatenate(arrays)
+            for arrays in zip(
+                *((p.src, p.dst, p.lengths, tg) for p, tg in zip(parts, tags, strict=True)),
+                strict=True,
+            )
+        )
+        s, d, n = (a.astype(np.int64, copy=False).view(np.uint64) for a in (s, d, n))
+    else:
+        s = d = n = np.empty(0, dtype=np.uint64)
+        t = np.empty(0, dtype=np.int64)
+    # Stable: descriptors of one layer that read the same bytes keep their emission order.
+    order = np.lexsort((s, t))
+    s, d, n, t = s[order], d[order], n[order], t[order]
+    if merge and s.size > 1:
+        joins = (t[1:] == t[:-1]) & (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
+        if joins.any():
+            keep = np.flatnonzero(np.concatenate(([True], ~joins)))
+            s, d, t = s[keep], d[keep], t[keep]
+            n = np.add.reduceat(n, keep).astype(np.uint64, copy=False)
+    starts = np.searchsorted(t, np.arange(len(layer_index) + 1)).astype(np.int64)
+    unmerged = sum(p.count for p in parts)
+    extents = [p.dst_extents for p in parts if p.dst_extents is not None]
+    proof = np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
+    plan = TransferPlan(s, d, n, unmerged, tuple(stats), tuple(layer_index), starts)
+    return plan, proof

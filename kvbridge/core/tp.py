@@ -332,12 +332,13 @@ def plan_tp_pair(
     *,
     merge: bool = True,
     check: bool = True,
+    by_layer: bool = False,
 ) -> TransferPlan | None:
     """The plan moving what source rank ``src`` sends destination rank ``dst``, or ``None``.
 
     For push (P writes): P rank ``p`` calls it for each D rank. It cannot see the other source
     ranks, so it does not check that every unit of ``dst`` is covered (``plan_tp_transfers``
-    does).
+    does). ``by_layer``: the plan is cut by layer (``plan_transfers``).
     """
     missing = set(src_block_ids) ^ set(dst_block_ids)
     if missing:
@@ -361,6 +362,7 @@ def plan_tp_pair(
         only_groups(dst_block_ids, groups),
         merge=merge,
         check=check,
+        by_layer=by_layer,
     )
 
 

@@ -74,8 +74,10 @@ def reference_descriptors(
     dst: Layout,
     src_ids: dict[int, list[int]],
     dst_ids: dict[int, list[int]],
+    layer: str | None = None,
 ) -> list[tuple[int, int, int]]:
-    """``(src, dst, length)`` per token (per slot for STATE) of everything that must move.
+    """``(src, dst, length)`` per token (per slot for STATE) of everything that must move
+    (of that one layer's tensors when ``layer`` is given).
 
     Raises ``Refused`` when the block lists must be refused.
     """
@@ -86,7 +88,7 @@ def reference_descriptors(
         pairs = paired_ids(sg, dg, list(src_ids[index]), list(dst_ids[index]))
         s_blocks, d_blocks = [p for p, _ in pairs], [d for _, d in pairs]
         for dt in dst.spec.tensors:
-            if dt.group_index != index:
+            if dt.group_index != index or (layer is not None and dt.layer_name != layer):
                 continue
             st = src_tensors[(dt.layer_name, dt.tensor)]
             for part in _parts(dt, dg):
