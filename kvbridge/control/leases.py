@@ -46,6 +46,7 @@ from kvbridge.control.requests import (
     checked_ids,
     forget_expired,
 )
+from kvbridge.control.streams import PushKey, Stream, fence_all
 from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify
@@ -124,6 +125,9 @@ class Leases:
         # (a late PushRequest or PullStart for them is refused); both until the time given.
         self._push_results: dict[tuple[str, int], tuple[PushDone, float, str]] = {}
         self._withdrawn: dict[tuple[str, str], float] = {}
+        # Layers written to D ranks before publish (``stream``), by the pending push's key;
+        # kept until the push at publish takes them over, or fenced when it never comes.
+        self._streams: dict[PushKey, Stream] = {}
 
     def publish(
         self,
@@ -188,6 +192,43 @@ class Leases:
         """Drop a lease without a transfer (the request was aborted on P)."""
         self._free(request_id, False, "withdrawn by prefill")
 
+    def stream(
+        self, request_id: str, token: str, block_ids: Mapping[int, Any], layers: list[str]
+    ) -> int:
+        """Write these computed layers of a request P has not published yet to every D rank
+        that asked for a push of it with ``token``; returns the bytes submitted (0: no D rank
+        asked yet, or its transport is not connected yet: the push at publish sends them).
+
+        Never waits on a peer: it runs on the engine's forward pass. ``block_ids``: P's ids of
+        the groups whose layers are streamed (paged groups; a recurrent state is sent at
+        publish, once final).
+        """
+        ctx = self._ctx
+        with self._lock:
+            asked = [
+                (key, push)
+                for key, push in self._pending_push.items()
+                if key[0] == request_id and auth.token_matches(token, key[2])
+            ]
+        if not asked:
+            return 0
+        ids = checked_ids(ctx.layout, block_ids, "streamed")
+        submitted = 0
+        for key, (remote, push, _) in asked:
+            connected = remote.connected
+            if not connected.done() or connected.exception() is not None:
+                continue
+            with self._lock:
+                stream = self._streams.setdefault(key, Stream(remote))
+                if stream.failed:
+                    continue
+            try:
+                submitted += stream.write(ctx, ids, push.block_ids, layers)
+            except Exception as err:  # the push at publish fails, fenced with the rest
+                stream.failed = f"a layer-wise write could not start: {err}"
+                log.warning("request %s: %s", request_id, stream.failed)
+        return submitted
+
     @property
     def leased(self) -> list[str]:
         """Request ids whose blocks P still holds."""
@@ -204,6 +245,11 @@ class Leases:
             ]
             unclaimed = {r for r in expired if not self._leases[r].readers}
             forget_expired(self._pending_push, now, lambda pushed: pushed[2])
+            orphans = [
+                key
+                for key in self._streams
+                if key not in self._pending_push and key[0] not in self._leases
+            ]
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
         deadlines = self._ctx.deadlines
@@ -214,13 +260,48 @@ class Leases:
                 reason = f"lease of {deadlines.lease:g} s expired before decode released it"
             stats = RequestStats(lease_expired=True, unclaimed=rid in unclaimed)
             self._free(rid, False, reason, stats)
+        for key in orphans:
+            self._end_stream(key, "prefill never published the request it streamed")
 
     def close(self) -> None:
         """Free every lease (the plane is closing)."""
         with self._lock:
             leases = list(self._leases)
+            streams = list(self._streams)
         for request_id in leases:
             self._free(request_id, False, "the control plane was closed")
+        for key in streams:
+            self._end_stream(key, "the control plane was closed", wait=True)
+
+    def _end_stream(self, key: PushKey, reason: str, wait: bool = False) -> None:
+        """A stream whose push will not run (aborted, never published, closing): stop its
+        writes, and once they are fenced remember the failed push for D's ``PushQuery``."""
+        with self._lock:
+            stream = self._streams.get(key)
+        if stream is None:
+            return
+        stream.release(self._ctx)
+        rid, rank, token = key
+
+        def fence() -> None:
+            stats = RequestStats()
+            proof = fence_all(self._transfers, stream.handles, rid, stats)
+            done = PushDone(
+                rid,
+                False,
+                f"prefill could not push: {reason}",
+                TransferFigures(unproven=proof is not Fence.DRAINED),
+            )
+            with self._lock:
+                until = time.monotonic() + self._ctx.deadlines.remember
+                self._push_results[(rid, rank)] = (done, until, token)
+                self._streams.pop(key, None)
+            log.debug("request %s: stream to decode rank %d ended: %s", rid, rank, reason)
+
+        if wait or self._ctx.closed:
+            fence()
+        else:
+            self._ctx.peer_waits.submit(fence)
 
     # -- D's requests -----------------------------------------------------------------------------
     def _join(self, lease: _Lease, body: FromDecodeRank, peer: str = "") -> _Reader:
@@ -318,9 +399,14 @@ class Leases:
         with self._lock:
             for key in [k for k in self._pending_push if k[0] == rid and k[2] == token]:
                 del self._pending_push[key]
+            streamed = [k for k in self._streams if k[0] == rid and k[2] == token]
+            pushed = any(k[0] == rid for k in self._push_results)
+        for key in streamed:  # layers written before publish: fenced, then the push failed
+            self._end_stream(key, f"aborted by decode: {body.reason}")
+        with self._lock:
             lease = self._leases.get(rid)
             if lease is None:
-                if token and not any(k[0] == rid for k in self._push_results):
+                if token and not pushed:
                     # Only the bearer's abort withdraws it (checked when P publishes).
                     self._withdrawn[(rid, token)] = time.monotonic() + self._ctx.deadlines.remember
                 return
@@ -345,7 +431,8 @@ class Leases:
             if lease is not None:
                 _require_token(lease, body)
             reader = lease.readers.get(body.rank) if lease is not None else None
-            pending = (rid, body.rank, body.token) in self._pending_push
+            key = (rid, body.rank, body.token)
+            pending = key in self._pending_push or key in self._streams
             if pending or (reader is not None and reader.pushing):
                 return Ok()  # may still write
         raise _unknown(rid)
@@ -388,26 +475,43 @@ class Leases:
         ctx, transfers = self._ctx, self._transfers
         rid, block_ids = reader.params.request_id, request.block_ids
         stats = RequestStats(queued_s=time.monotonic() - started)
+        with self._lock:  # the layers written before publish, if P streamed them
+            stream = self._streams.pop((rid, reader.rank, reader.params.token), None)
+        streamed = stream.handles if stream is not None else []
         try:
+            if stream is not None and stream.failed:
+                raise TransportError(stream.failed)
+            src_ids = reader.params.block_ids
             plan = transfers.plan(
-                ctx.layout, remote.layout, reader.params.block_ids, block_ids, stats
+                ctx.layout, remote.layout, src_ids, block_ids, stats, by_layer=stream is not None
             )
-            if plan is not None:
+            rest = plan
+            if plan is not None and stream is not None:
+                same = {g: list(src_ids.get(g, ())) for g in stream.src_ids} == stream.src_ids
+                done_layers = stream.sent if same else set()
+                rest = plan.for_layers(n for n in plan.layers if n not in done_layers)
+                stats.streamed_nbytes = stream.nbytes if same else 0
+            if rest is not None:
                 try:
                     remote.wait_connected(ctx.deadlines.connect)
                 except Exception as err:  # the connect's own error says what is wrong
                     raise TransportError(f"the transport could not reach decode: {err}") from None
-                transfers.move(TransferOp.WRITE, [(remote.engine_id, plan, reader)], stats)
+                transfers.move(TransferOp.WRITE, [(remote.engine_id, rest, reader)], stats)
+            for written in streamed:  # every layer written before publish has landed
+                ctx.transport.wait(written)
             check = Verify(request.verify)
             value = None
             if check is not Verify.OFF and plan is not None:
-                value = plan_digest(plan, "src", check, rid)
+                # D digests its whole plan: the same descriptors, not the cut by layer.
+                whole = plan_tp_pair(ctx.layout, remote.layout, src_ids, block_ids)
+                value = plan_digest(whole, "src", check, rid) if whole is not None else None
             done = PushDone(rid, True, "", stats.figures(), digest=value)
             ok, reason = True, "pushed to decode"
         except Exception as err:
             ok, reason = False, str(err)
             handle = reader.handle
-            fence = Fence.DRAINED if handle is None else transfers.fence(handle, rid, stats)
+            handles = [*streamed, *([handle] if handle is not None else [])]
+            fence = fence_all(transfers, handles, rid, stats)
             unproven = TransferFigures(unproven=fence is not Fence.DRAINED)
             done = PushDone(rid, False, f"prefill could not push: {err}", unproven)
         with self._lock:

@@ -14,9 +14,10 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
-#: 3: D's requests carry the request's capability ``token``; ``AuthRefused`` (2: ``PushDone``
+#: 4: ``TransferFigures.streamed_nbytes`` (layer-wise push). 3: D's requests carry the request's
+#: capability ``token``; ``AuthRefused`` (2: ``PushDone``
 #: carries its figures as one ``TransferFigures``; 1: six fields of its own)
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -135,6 +136,8 @@ class TransferFigures(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transfer_s: float = 0.0
     #: no fence proves the transfer's bytes stopped (``Fence.UNPROVEN``)
     unproven: bool = False
+    #: of ``nbytes``, what P wrote layer by layer before it published the request
+    streamed_nbytes: int = 0
 
 
 class PushDone(Message, tag="push_done"):

@@ -230,6 +230,20 @@ class ControlPlane:
         """Drop a lease without a transfer (the request was aborted on P)."""
         self._prefill.unpublish(request_id)
 
+    def stream(
+        self, request_id: str, token: str, block_ids: Mapping[int, Any], layers: Sequence[str]
+    ) -> int:
+        """Layer-wise push: P computed these layers of a request it has not published yet;
+        write them now to every decode rank that asked for a push of it with ``token``.
+
+        Returns the bytes submitted (0 when no decode rank asked yet: the push at ``publish``
+        sends every layer not streamed). Never waits on a peer (it runs between two layers of
+        the engine's forward pass); failures surface at ``publish``'s push, fenced.
+        ``block_ids``: P's ids of the groups whose layers stream (not a recurrent state, sent
+        at publish once final). See ``kvbridge.control.streams``.
+        """
+        return self._prefill.stream(request_id, token, block_ids, list(layers))
+
     @property
     def leased(self) -> list[str]:
         """Request ids whose blocks P still holds."""

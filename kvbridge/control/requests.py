@@ -132,6 +132,8 @@ class RequestStats:
     lease_expired: bool = False
     #: P: of those, no D rank had claimed it (freed at ``Deadlines.claim``, before the lease)
     unclaimed: bool = False
+    #: of ``nbytes``, what P wrote layer by layer while it still computed the request (push)
+    streamed_nbytes: int = 0
 
     def figures(self) -> TransferFigures:
         """What this side's transfer moved and took, as P tells D (``PushDone``)."""
@@ -142,6 +144,7 @@ class RequestStats:
             plan_s=self.plan_s,
             transfer_s=self.transfer_s,
             unproven=self.unproven,
+            streamed_nbytes=self.streamed_nbytes,
         )
 
     def add_pushed(self, figures: TransferFigures) -> None:
@@ -153,6 +156,7 @@ class RequestStats:
         self.plan_s = max(self.plan_s, figures.plan_s)
         self.transfer_s = max(self.transfer_s, figures.transfer_s)
         self.unproven = self.unproven or figures.unproven
+        self.streamed_nbytes += figures.streamed_nbytes
 
 
 @dataclass

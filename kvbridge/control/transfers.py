@@ -78,12 +78,18 @@ class Transfers:
 
     @staticmethod
     def plan(
-        src: Layout, dst: Layout, src_ids: BlockIds, dst_ids: BlockIds, stats: RequestStats
+        src: Layout,
+        dst: Layout,
+        src_ids: BlockIds,
+        dst_ids: BlockIds,
+        stats: RequestStats,
+        by_layer: bool = False,
     ) -> TransferPlan | None:
         """What source rank ``src`` moves to destination rank ``dst`` (``None``: nothing); its
-        time and size add to ``stats`` (a load from several P ranks sums its parts)."""
+        time and size add to ``stats`` (a load from several P ranks sums its parts).
+        ``by_layer``: cut by layer (``TransferPlan.for_layers``)."""
         start = time.monotonic()
-        plan = plan_tp_pair(src, dst, src_ids, dst_ids)
+        plan = plan_tp_pair(src, dst, src_ids, dst_ids, by_layer=by_layer)
         stats.plan_s += time.monotonic() - start
         if plan is not None:
             stats.nbytes += plan.nbytes

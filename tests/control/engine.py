@@ -26,6 +26,7 @@ import numpy as np
 from kvbridge.control.plane import ControlPlane, Mode, TransferParams
 from kvbridge.core import Layout, plan_transfers
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
+from kvbridge.core.errors import TransportError
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import KVLayout
 from kvbridge.demo import AddressMap, Arena
@@ -157,6 +158,9 @@ def handle(
         ids = {int(k): v for k, v in cmd["block_ids"].items()}
         token = cmd.get("token")
         return plane.publish(cmd["request_id"], ids, cmd["num_tokens"], mode, token).to_dict()
+    if name == "stream":  # P: layers of a request computed before publish (layer-wise push)
+        ids = {int(k): v for k, v in cmd["block_ids"].items()}
+        return plane.stream(cmd["request_id"], cmd["token"], ids, cmd["layers"])
     if name in ("pull", "push"):
         params = TransferParams.from_dict(cmd["params"])
         ids = {int(k): v for k, v in cmd["block_ids"].items()}
@@ -293,6 +297,16 @@ def inject_fault(plane: ControlPlane, fault: str) -> None:
         _INJECTED.extend(
             [(plane.transport, "submit"), (plane.transport, "wait"), (decode, "on_push_done")]
         )
+    elif fault == "fail_next_submit":  # P: the engine refuses the next batch it is handed
+        submit = plane.transport.submit
+
+        def refuse(op, peer, local, remote, lengths):  # type: ignore[no-untyped-def]
+            plane.transport.__dict__.pop("submit", None)  # once
+            raise TransportError("injected: the engine refused the batch")
+
+        plane.transport.submit = refuse  # type: ignore[method-assign]
+        _INJECTED.append((plane.transport, "submit"))
+        del submit
     else:
         raise ValueError(f"unknown fault {fault!r}")
 

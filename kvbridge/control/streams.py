@@ -1,0 +1,118 @@
+"""The prefill side's layer-wise writes: layers P sends a D rank while it still computes.
+
+A decode instance that knows a request while P computes it (the concurrent dispatch) asks P for a
+push before P published it; P keeps that request (``Leases``' pending pushes). As each layer of
+the request is computed, the engine adapter calls ``ControlPlane.stream`` with the layers done:
+P writes them to every D rank that asked, right away, from one plan per request cut by layer
+(``plan_transfers(..., by_layer=True)``), while the engine computes the next layer. When P
+publishes the request, the push writes only the layers not streamed yet (the recurrent state
+among them: the adapter streams paged layers only), then waits for every write of the request,
+streamed or not, before it tells D how it ended.
+
+Failures are fenced as for a whole push: a stream write that fails, or that an abort or an
+expiry ends, is released and fenced with all the request's other writes before D hears the
+outcome, so no byte lands in a block D got back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.control.context import PlaneContext
+from kvbridge.control.handshakes import RemoteEngine
+from kvbridge.control.requests import RequestStats
+from kvbridge.control.transfers import Transfers
+from kvbridge.core.block_mapping import CheckedBlockIds
+from kvbridge.core.planning import TransferPlan
+from kvbridge.core.tp import plan_tp_pair
+from kvbridge.core.transport import Fence, TransferHandle, TransferOp
+
+log = logging.getLogger("kvbridge.control")
+
+#: A D rank's push of a request, as P keeps it: (request id, D rank, capability token).
+PushKey = tuple[str, int, str]
+
+
+@dataclass
+class Stream:
+    """What P wrote to one D rank of one request before publishing it."""
+
+    remote: RemoteEngine
+    #: P's block ids the plan was made from (the groups streamed), and the plan cut by layer
+    src_ids: dict[int, list[int]] = field(default_factory=dict)
+    plan: TransferPlan | None = None
+    #: layers submitted, and the writes carrying them (fenced together on failure)
+    sent: set[str] = field(default_factory=set)
+    handles: list[TransferHandle] = field(default_factory=list)
+    #: why a write could not be submitted: the push then fails, fenced
+    failed: str = ""
+    nbytes: int = 0
+
+    def write(
+        self,
+        ctx: PlaneContext,
+        src_ids: CheckedBlockIds,
+        dst_ids: Mapping[int, Any],
+        layers: list[str],
+    ) -> int:
+        """Submit these layers' descriptors (those not sent yet); returns the bytes submitted.
+
+        Plans once per request: again only if P's block ids changed (then every layer is sent
+        again from the new ids, which a later write would overwrite with the same bytes anyway).
+        """
+        groups = [g for g in src_ids if g in dst_ids]
+        mine = {g: list(src_ids[g]) for g in groups}
+        if self.plan is None or mine != self.src_ids:
+            if self.plan is not None:
+                log.warning("stream of a request: prefill's block ids changed; sending again")
+            self.plan = plan_tp_pair(
+                ctx.layout,
+                self.remote.layout,
+                src_ids.only(groups),
+                _only(dst_ids, groups),
+                by_layer=True,
+            )
+            self.src_ids, self.sent = mine, set()
+        if self.plan is None:
+            return 0
+        new = [name for name in layers if name not in self.sent and name in self.plan.layers]
+        if not new:
+            return 0
+        self.sent.update(new)
+        cut = self.plan.for_layers(new)
+        if not cut.count:
+            return 0
+        local, remote, lengths = cut.local_remote(TransferOp.WRITE)
+        handle = ctx.transport.submit(
+            TransferOp.WRITE, self.remote.engine_id, local, remote, lengths
+        )
+        self.handles.append(handle)
+        self.nbytes += cut.nbytes
+        return cut.nbytes
+
+    def release(self, ctx: PlaneContext) -> None:
+        """Stop every write still moving (an abort): the fence then waits for them to drain."""
+        for handle in self.handles:
+            ctx.transport.release(handle)
+
+
+def fence_all(
+    transfers: Transfers, handles: list[TransferHandle], rid: str, stats: RequestStats
+) -> Fence:
+    """Fence every write of a request; ``UNPROVEN`` if any one cannot be proven stopped."""
+    fences = [transfers.fence(h, rid, stats) for h in handles]
+    if Fence.UNPROVEN in fences:
+        return Fence.UNPROVEN
+    if Fence.PENDING in fences:
+        return Fence.PENDING
+    return Fence.DRAINED
+
+
+def _only(ids: Mapping[int, Any], groups: list[int]) -> Mapping[int, Any]:
+    """These groups' ids, kept checked where they were (``CheckedBlockIds``)."""
+    if isinstance(ids, CheckedBlockIds):
+        return ids.only(groups)
+    return {g: ids[g] for g in groups}

@@ -1,0 +1,198 @@
+"""Layer-wise push through real engine processes (issue 29): D asks for a push before P has
+computed the request; P writes each layer as it is computed (``ControlPlane.stream``), then the
+rest (the recurrent state) when it publishes; every byte checked against P's cache.
+
+Failures are fenced as for a whole push: a refused layer write, D's abort mid-stream, and a
+stream from a P that never publishes all end the load failed only after P's fence.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kvbridge.core.groups import GroupKind
+from tests.control.engine import BlockAllocator, EngineProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+TOKENS = 300
+TOKEN = "capability-of-s"  # the router's, given to both P and D up front
+
+
+def paged_layers(engine: EngineProcess) -> list[str]:
+    """The layers whose K/V (paged) the engine computes one by one, in the layout's order."""
+    layout = engine.layout
+    kinds = {i: g.kind for i, g in layout.groups.items()}
+    names: list[str] = []
+    for t in layout.spec.tensors:
+        if kinds[t.group_index] is not GroupKind.STATE and t.layer_name not in names:
+            names.append(t.layer_name)
+    return names
+
+
+def paged_ids(engine: EngineProcess, ids: dict[int, list[int]]) -> dict[int, list[int]]:
+    kinds = {i: g.kind for i, g in engine.layout.groups.items()}
+    return {g: b for g, b in ids.items() if kinds[g] is not GroupKind.STATE}
+
+
+def early_push(p: EngineProcess, d: EngineProcess, rid: str, d_ids, transport: str) -> None:
+    """D asks P for a push of a request P has not computed (the concurrent dispatch): it knows
+    P's address and the request's token, not P's block ids."""
+    params: dict[str, Any] = {
+        "request_id": rid,
+        "engine_id": p.info["engine_id"],
+        "endpoint": p.info["endpoint"],
+        "block_ids": {},
+        "num_tokens": TOKENS,
+        "transport": transport,
+        "mode": "push",
+        "token": TOKEN,
+    }
+    assert d.call(cmd="push", params=params, block_ids=d_ids) == {"started": True}
+    deadline = time.monotonic() + 30
+    while rid not in p.call(cmd="pending_push"):
+        assert time.monotonic() < deadline, "D's push request never reached P"
+        time.sleep(0.02)
+
+
+def stream_until_written(p: EngineProcess, rid: str, token: str, ids, layers) -> int:
+    """Stream layers; the first call may find the transport still connecting (0 bytes, the
+    layers stay for later), so repeat the first layer until it is written."""
+    deadline = time.monotonic() + 30
+    while True:
+        sent = p.call(cmd="stream", request_id=rid, token=token, block_ids=ids, layers=layers)
+        if sent or time.monotonic() > deadline:
+            return int(sent)
+        time.sleep(0.05)
+
+
+def test_layers_streamed_before_publish_land_exactly(engines, transport):
+    p = engines("prefill", transport, seed=61, num_blocks=512)
+    d = engines("decode", transport, seed=62, num_blocks=512)
+    p_ids = BlockAllocator(p.layout, 1).request(TOKENS)
+    d_ids = BlockAllocator(d.layout, 2).request(TOKENS)
+    early_push(p, d, "s", d_ids, transport)
+    layers = paged_layers(p)
+    assert len(layers) >= 2
+    paged = paged_ids(p, p_ids)
+    first = stream_until_written(p, "s", TOKEN, paged, layers[:1])
+    assert first > 0
+    rest = p.call(cmd="stream", request_id="s", token=TOKEN, block_ids=paged, layers=layers[1:])
+    assert rest > 0
+    # a layer streamed twice is written once
+    again = p.call(cmd="stream", request_id="s", token=TOKEN, block_ids=paged, layers=layers)
+    assert again == 0
+    p.call(
+        cmd="publish", request_id="s", block_ids=p_ids, num_tokens=TOKENS, mode="push", token=TOKEN
+    )
+    out = d.call(cmd="wait", request_id="s", timeout=60)
+    assert out["ok"], out["reason"]
+    stats = out["stats"]
+    assert stats["streamed_nbytes"] == first + rest
+    # the recurrent state went at publish (the model has GDN layers): the rest of the bytes
+    assert 0 < stats["streamed_nbytes"] < stats["nbytes"]
+    result = d.call(
+        cmd="verify", timeout=120, sources=[{"config": p.config, "pairs": [(p_ids, d_ids)]}]
+    )
+    assert result["ok"], result
+    assert p.call(cmd="leased") == []
+
+
+def test_a_stream_with_another_token_writes_nothing(engines, transport):
+    p = engines("prefill", transport, seed=63, num_blocks=512)
+    d = engines("decode", transport, seed=64, num_blocks=512)
+    p_ids = BlockAllocator(p.layout, 3).request(TOKENS)
+    d_ids = BlockAllocator(d.layout, 4).request(TOKENS)
+    before = d.call(cmd="digest")
+    early_push(p, d, "s", d_ids, transport)
+    layers, paged = paged_layers(p), paged_ids(p, p_ids)
+    for _ in range(5):  # whatever the connection's state, the wrong bearer gets nothing
+        wrong = p.call(
+            cmd="stream", request_id="s", token="not-" + TOKEN, block_ids=paged, layers=layers
+        )
+        assert wrong == 0
+        time.sleep(0.05)
+    assert d.call(cmd="digest") == before
+    p.call(
+        cmd="publish", request_id="s", block_ids=p_ids, num_tokens=TOKENS, mode="push", token=TOKEN
+    )
+    out = d.call(cmd="wait", request_id="s", timeout=60)
+    assert out["ok"], out["reason"]
+    assert out["stats"]["streamed_nbytes"] == 0  # all of it went at publish
+    result = d.call(
+        cmd="verify", timeout=120, sources=[{"config": p.config, "pairs": [(p_ids, d_ids)]}]
+    )
+    assert result["ok"], result
+
+
+def test_a_refused_layer_write_fails_the_push_fenced(engines, transport):
+    p = engines("prefill", transport, seed=65, num_blocks=512)
+    d = engines("decode", transport, seed=66, num_blocks=512)
+    p_ids = BlockAllocator(p.layout, 5).request(TOKENS)
+    d_ids = BlockAllocator(d.layout, 6).request(TOKENS)
+    early_push(p, d, "s", d_ids, transport)
+    layers, paged = paged_layers(p), paged_ids(p, p_ids)
+    assert stream_until_written(p, "s", TOKEN, paged, layers[:1]) > 0
+    p.call(cmd="fault", name="fail_next_submit")
+    assert (
+        p.call(cmd="stream", request_id="s", token=TOKEN, block_ids=paged, layers=layers[1:2]) == 0
+    )
+    p.call(
+        cmd="publish", request_id="s", block_ids=p_ids, num_tokens=TOKENS, mode="push", token=TOKEN
+    )
+    out = d.call(cmd="wait", request_id="s", timeout=60)
+    assert not out["ok"]
+    assert "layer-wise write could not start" in out["reason"], out["reason"]
+    # P freed its blocks once its writes were fenced; D's outcome came after P's word
+    deadline = time.monotonic() + 10
+    while p.call(cmd="leased") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.call(cmd="leased") == []
+    assert d.call(cmd="held") == []
+
+
+def test_an_abort_mid_stream_ends_the_load_after_the_fence(engines, transport):
+    p = engines("prefill", transport, seed=67, num_blocks=512)
+    d = engines("decode", transport, seed=68, num_blocks=512, timeout=5)
+    p_ids = BlockAllocator(p.layout, 7).request(TOKENS)
+    d_ids = BlockAllocator(d.layout, 8).request(TOKENS)
+    early_push(p, d, "s", d_ids, transport)
+    layers, paged = paged_layers(p), paged_ids(p, p_ids)
+    assert stream_until_written(p, "s", TOKEN, paged, layers[:1]) > 0
+    params = {
+        "request_id": "s",
+        "engine_id": p.info["engine_id"],
+        "endpoint": p.info["endpoint"],
+        "block_ids": {},
+        "num_tokens": TOKENS,
+        "transport": transport,
+        "mode": "push",
+        "token": TOKEN,
+    }
+    d.call(cmd="abort", params=params, reason="client went away")
+    out = d.call(cmd="wait", request_id="s", timeout=60)
+    assert not out["ok"]
+    # P streams no more for it, and its later publish holds nothing for a D that left
+    assert p.call(cmd="stream", request_id="s", token=TOKEN, block_ids=paged, layers=layers) == 0
+    assert "s" in p.call(cmd="withdrawn")
+    p.call(
+        cmd="publish", request_id="s", block_ids=p_ids, num_tokens=TOKENS, mode="push", token=TOKEN
+    )
+    assert p.call(cmd="leased") == []
+
+
+def test_a_stream_that_is_never_published_fails_the_load_after_the_fence(engines, transport):
+    p = engines("prefill", transport, seed=69, num_blocks=512, timeout=2, lease=4.0)
+    d = engines("decode", transport, seed=70, num_blocks=512, timeout=3)
+    p_ids = BlockAllocator(p.layout, 9).request(TOKENS)
+    d_ids = BlockAllocator(d.layout, 10).request(TOKENS)
+    early_push(p, d, "s", d_ids, transport)
+    layers, paged = paged_layers(p), paged_ids(p, p_ids)
+    assert stream_until_written(p, "s", TOKEN, paged, layers) > 0
+    # P's request ends without a publish (aborted on P): D's load fails, and only with P's word
+    out = d.call(cmd="wait", request_id="s", timeout=90)
+    assert not out["ok"]
+    assert d.call(cmd="held") == []
