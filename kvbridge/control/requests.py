@@ -59,6 +59,10 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mode: Mode = Mode.PULL
     ranks: list[RankAddress] = []
     token: str = msgspec.field(default="")
+    #: The concurrent dispatch (layer-wise push): D got the request while P computes it, so
+    #: ``block_ids`` is empty and ``num_tokens`` unknown (0); D counts the tokens it loads from
+    #: its own prompt, and P writes each layer as it is computed (``ControlPlane.stream``).
+    layerwise: bool = False
 
     @property
     def tp_size(self) -> int:

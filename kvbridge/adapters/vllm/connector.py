@@ -35,6 +35,7 @@ from kvbridge.adapters.vllm.scheduler import GroupInfo, SchedulerState, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.worker import ConnectorWorker
 from kvbridge.control.holds import HoldBudget, HoldLimits
+from kvbridge.core.block_mapping import sliding_window_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,6 +49,14 @@ if TYPE_CHECKING:
     from kvbridge.control.plane import ControlPlane
 
 log = logging.getLogger("kvbridge.vllm")
+
+
+def _window_blocks(spec: Any) -> int | None:
+    """The blocks a sliding-window group keeps (None for other groups)."""
+    window = getattr(spec, "sliding_window", None)
+    if not window:
+        return None
+    return sliding_window_blocks(int(window), int(spec.block_size))
 
 
 @dataclass
@@ -79,6 +88,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 group_kind(g.kv_cache_spec),
                 int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0),
                 bool(getattr(g, "enable_kv_transfer", True)),
+                _window_blocks(g.kv_cache_spec),
             )
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         ]
@@ -165,7 +175,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_state_after_alloc(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVBridgeMetadata(self._sched().build_step())
+        return KVBridgeMetadata(self._sched().build_step(scheduler_output))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -207,7 +217,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # P's bytes stay in place; D reads them (or P writes them on request)
+        """After each attention layer's forward (vLLM calls it for attention and MLA layers,
+        not for GDN/Mamba ones): P streams the layer to the decode instances of the requests
+        whose prefill ends in this step (the concurrent dispatch); otherwise P's bytes stay in
+        place until D reads them (or asks P to write them)."""
+        meta = self._connector_metadata
+        if isinstance(meta, KVBridgeMetadata) and meta.plan.layerwise:
+            self.worker.stream_layer(layer_name, meta.plan.layerwise)
 
     def wait_for_save(self) -> None:
         return None

@@ -72,6 +72,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 ),
             ),
             (
+                "streamed_nbytes",
+                self._histogram(
+                    "vllm:kvbridge_streamed_bytes",
+                    "Of each successful push transfer's bytes, those the prefill instance wrote "
+                    "layer by layer while it was still computing the request (layer-wise push; "
+                    "0 for the others).",
+                    [0.0, *BYTES_BUCKETS],
+                ),
+            ),
+            (
                 "handshake_s",
                 self._histogram(
                     "vllm:kvbridge_handshake_time_seconds",

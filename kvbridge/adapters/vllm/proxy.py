@@ -28,6 +28,14 @@ prefilled, P frees the KV when its lease (connector option ``lease``) runs out.
 Successful responses carry ``x-kvbridge-prefill-ms`` (P's round trip) and, when P reported them,
 ``x-kvbridge-remote-engine-id`` and ``x-kvbridge-remote-num-tokens``.
 
+``--dispatch concurrent`` (``create_app(dispatch="concurrent")``) sends each request to P and D
+at once, with one transfer id and token made here (``kvbridge.adapters.vllm.dispatch``): D asks
+P for the request's KV while P computes it, and P writes each layer into D's blocks as soon as
+it is computed (layer-wise push). D must know P's side channel: the first request to each P goes
+the sequential way and P's answer names it; the rest go concurrently (``x-kvbridge-dispatch``
+says which). A P that fails a concurrent request costs D its timeout, then D computes the prompt
+itself. The default, ``sequential``, is vLLM's convention above.
+
 ``GET /metrics`` answers Prometheus' text format (OpenMetrics when the scraper asks for it) from
 a registry of the app's own (``app.state.metrics.registry``), for the two completions endpoints:
 ``kvbridge_proxy_requests_total`` by ``endpoint`` and ``outcome`` (one of ``OUTCOMES``),
@@ -55,6 +63,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from kvbridge.adapters.vllm.dispatch import concurrent_params, prefill_address
 
 try:
     import httpx
@@ -213,6 +223,9 @@ def prompt_count(body: dict[str, Any]) -> int:
 #: The keys of a client's ``kv_transfer_params`` the proxy passes on to P (the others are
 #: dropped; D gets only what P returned).
 CLIENT_PARAMS = frozenset({"kvbridge_mode"})
+#: How requests reach P and D: P first, then D with P's answer (vLLM's convention); or both at
+#: once, P streaming each layer to D as it is computed (``kvbridge.adapters.vllm.dispatch``).
+DISPATCHES = ("sequential", "concurrent")
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -271,9 +284,15 @@ class Proxy:
         decode: Sequence[str],
         client: httpx.AsyncClient,
         metrics: Metrics | None = None,
+        dispatch: str = "sequential",
     ) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode server")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, not {dispatch!r}")
+        self.dispatch = dispatch
+        #: each P's side channel, from its first answer (the concurrent dispatch needs it)
+        self.addresses: dict[str, dict[str, Any]] = {}
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
         self._next_p = itertools.cycle(self.prefill)
@@ -290,30 +309,41 @@ class Proxy:
         return next(self._next_d)
 
     async def run_prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str]
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        base: str | None = None,
+        params: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], float]:
-        """P's ``kv_transfer_params`` for ``body`` and P's round trip (s)."""
-        base = self.next_prefill()
+        """P's ``kv_transfer_params`` for ``body`` and P's round trip (s); ``base``: this P
+        (else the next), ``params``: these ``kv_transfer_params`` (the concurrent dispatch's)."""
+        base = base or self.next_prefill()
         url = base + path
+        sent = prefill_body(body)
+        if params is not None:
+            sent["kv_transfer_params"] = params
         t0 = time.perf_counter()
         try:
-            resp = await self.client.post(url, json=prefill_body(body), headers=headers)
+            resp = await self.client.post(url, json=sent, headers=headers)
         except httpx.HTTPError as exc:
             raise _http_failure("prefill", base, url, exc) from exc
         if resp.status_code != 200:
             raise _status_failure("prefill", base, url, resp)
         try:
-            params = resp.json().get("kv_transfer_params")
+            answer = resp.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
             msg = f"prefill server {url} answered non-JSON: {resp.text[:200]!r}"
             raise UpstreamError(502, msg, "prefill", base, "bad_response") from None
-        if not isinstance(params, dict) or not params:
+        if not isinstance(answer, dict) or not answer:
             msg = (
                 f"prefill server {url} returned no kv_transfer_params (is it serving with "
                 "kv_connector KVBridgeConnector and kv_role kv_producer?)"
             )
             raise UpstreamError(502, msg, "prefill", base, "bad_response")
-        return params, time.perf_counter() - t0
+        if base not in self.addresses and (address := prefill_address(answer)) is not None:
+            self.addresses[base] = address
+        return answer, time.perf_counter() - t0
 
     async def forward(self, request: Request, path: str) -> Response:
         """The P/D round for one completions or chat request, counted in the metrics."""
@@ -339,16 +369,28 @@ class Proxy:
             return error_response(400, "this proxy takes one prompt per request"), "client_error"
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         headers.setdefault("x-request-id", uuid.uuid4().hex)
+        p_base = self.next_prefill()
+        address = self.addresses.get(p_base) if self.dispatch == "concurrent" else None
         try:
-            params, prefill_s = await self.run_prefill(path, body, headers)
-            self.metrics.prefill_duration.observe(prefill_s)
-            sent = time.perf_counter()
-            resp, base = await self.run_decode(path, dict(body, kv_transfer_params=params), headers)
+            if address is not None:
+                params, prefill_s, sent, resp, base = await self._concurrent(
+                    path, body, headers, p_base, address
+                )
+            else:
+                params, prefill_s = await self.run_prefill(path, body, headers, p_base)
+                self.metrics.prefill_duration.observe(prefill_s)
+                sent = time.perf_counter()
+                resp, base = await self.run_decode(
+                    path, dict(body, kv_transfer_params=params), headers
+                )
         except UpstreamError as exc:
             log.warning("%s", exc.message)
             self.metrics.backend_error(exc.side, exc.backend, exc.kind)
             return error_response(exc.status, exc.message), exc.outcome
-        extra = {"x-kvbridge-prefill-ms": f"{prefill_s * 1e3:.1f}"}
+        extra = {
+            "x-kvbridge-prefill-ms": f"{prefill_s * 1e3:.1f}",
+            "x-kvbridge-dispatch": "concurrent" if address is not None else "sequential",
+        }
         for key in ("remote_engine_id", "remote_num_tokens"):
             if params.get(key) is not None:
                 extra[f"x-kvbridge-{key.replace('_', '-')}"] = str(params[key])
@@ -357,6 +399,36 @@ class Proxy:
             return Response(resp.content, media_type=media, headers=extra), "ok"
         stream = DecodeStream(resp, base, self.metrics, path, t0, sent)
         return _StreamResponse(stream, media_type=media, headers=extra), None
+
+    async def _concurrent(
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        p_base: str,
+        address: dict[str, Any],
+    ) -> tuple[dict[str, Any], float, float, httpx.Response, str]:
+        """P and D get the request at once (layer-wise push); D's answer, as ``_round`` wants.
+
+        P's answer is awaited before D's is returned, so that a P failure is counted; it does
+        not fail the request: D then computes the prompt itself after its timeout.
+        """
+        to_p, to_d = concurrent_params(address)
+        prefill = asyncio.ensure_future(self.run_prefill(path, body, headers, p_base, to_p))
+        sent = time.perf_counter()
+        try:
+            resp, base = await self.run_decode(path, dict(body, kv_transfer_params=to_d), headers)
+        except BaseException:
+            prefill.cancel()
+            raise
+        try:
+            params, prefill_s = await prefill
+            self.metrics.prefill_duration.observe(prefill_s)
+        except UpstreamError as exc:  # D recomputes: the answer is still right, only later
+            log.warning("%s (decode computes the prompt itself)", exc.message)
+            self.metrics.backend_error(exc.side, exc.backend, exc.kind)
+            params, prefill_s = {}, time.perf_counter() - sent
+        return params, prefill_s, sent, resp, base
 
     async def run_decode(
         self, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -481,14 +553,18 @@ def create_app(
     timeout: float = 300.0,
     connect_timeout: float = 10.0,
     transport: httpx.AsyncBaseTransport | None = None,
+    dispatch: str = "sequential",
 ) -> FastAPI:
-    """The proxy as an ASGI app; ``timeout`` bounds each upstream read/write (s).
+    """The proxy as an ASGI app; ``timeout`` bounds each upstream read/write (s); ``dispatch``
+    one of ``DISPATCHES``.
 
     ``transport``: httpx's, for the upstream calls (default: the network). The metrics
     (``app.state.metrics``) live as long as the app, across restarts of its lifespan.
     """
     if _MISSING is not None:
         raise ImportError(f"the P/D proxy needs the proxy extra: {INSTALL_HINT}") from _MISSING
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, not {dispatch!r}")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     http_timeout = httpx.Timeout(timeout, connect=connect_timeout)
     metrics = Metrics(prefill, decode)
@@ -498,7 +574,7 @@ def create_app(
         async with httpx.AsyncClient(
             timeout=http_timeout, limits=limits, transport=transport
         ) as client:
-            app.state.proxy = Proxy(prefill, decode, client, metrics)
+            app.state.proxy = Proxy(prefill, decode, client, metrics, dispatch)
             yield
 
     app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan)
@@ -566,10 +642,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="seconds each upstream read may take (default 300)",
     )
     ap.add_argument("--connect-timeout", type=float, default=10.0)
+    ap.add_argument(
+        "--dispatch",
+        choices=DISPATCHES,
+        default="sequential",
+        help="sequential: P, then D with P's answer (default); concurrent: P and D at once, "
+        "P writing each layer to D as it is computed (layer-wise push)",
+    )
     ap.add_argument("--log-level", default="info")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    app = create_app(a.prefill, a.decode, timeout=a.timeout, connect_timeout=a.connect_timeout)
+    app = create_app(
+        a.prefill,
+        a.decode,
+        timeout=a.timeout,
+        connect_timeout=a.connect_timeout,
+        dispatch=a.dispatch,
+    )
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
 
 

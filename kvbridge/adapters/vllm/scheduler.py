@@ -37,6 +37,13 @@ PROCESSED_KEY = "_kvbridge_processed"
 DECLINED_KEY = "kvbridge_declined"
 #: vLLM's null block (the first block of the pool), a placeholder in STATE/SW block lists.
 NULL_BLOCK_ID = 0
+#: On P's request in the concurrent dispatch (layer-wise push): ``{"id": transfer id, "token":
+#: capability}``, made by the router, which gives D the same two in its ``kvbridge`` params
+#: (``TransferParams.layerwise``). P publishes the request under that id and streams its layers.
+LAYERWISE_KEY = "kvbridge_layerwise"
+#: Bounds on the router's transfer id and token (the token must be as unguessable as P's own).
+_ID_MAX = 256
+_TOKEN_MIN = 16
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -60,6 +67,23 @@ class PublishRequest:
     mode: str
     #: the request's capability token, the same for every TP rank (``TransferParams.token``)
     token: str = ""
+    #: the id the plane knows it by, when not vLLM's (the router's, in the concurrent dispatch)
+    transfer_id: str = ""
+
+    @property
+    def plane_id(self) -> str:
+        return self.transfer_id or self.request_id
+
+
+@dataclass
+class LayerwiseStep:
+    """P: a request whose prefill ends this step; each layer the step computes streams to D
+    (``ControlPlane.stream``) as soon as it is computed. Paged groups only: a recurrent state
+    is final only after the whole step and goes at publish."""
+
+    transfer_id: str
+    token: str = field(repr=False)  # a credential: never logged
+    block_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,9 +94,11 @@ class StepPlan:
     publishes: list[PublishRequest] = field(default_factory=list)
     #: D: requests that will not load (aborted, nothing left to load): tell P to free at once.
     releases: list[dict[str, Any]] = field(default_factory=list)
+    #: P: requests whose layers stream to D during this step's forward pass
+    layerwise: list[LayerwiseStep] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.publishes or self.releases)
+        return bool(self.loads or self.publishes or self.releases or self.layerwise)
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,32 @@ class GroupInfo:
     #: Trailing scratch slots a Mamba group holds for speculative decoding.
     speculative_slots: int = 0
     transfer: bool = True
+    #: SLIDING_WINDOW: the blocks a window keeps (``sliding_window_blocks``)
+    window_blocks: int | None = None
+
+
+@dataclass
+class _Layerwise:
+    """P: a request of the concurrent dispatch, tracked until its prefill's last step."""
+
+    transfer_id: str
+    token: str
+    prompt_tokens: int
+    blocks: list[list[int]] = field(default_factory=list)
+
+
+def layerwise_of(params: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The router's ``(transfer id, token)`` on P's request, or ``None`` if absent or unfit
+    (then P serves the request as usual: published under its own id, with its own token)."""
+    raw = params.get(LAYERWISE_KEY)
+    if not isinstance(raw, Mapping):
+        return None
+    tid, token = raw.get("id"), raw.get("token")
+    if not isinstance(tid, str) or not isinstance(token, str):
+        return None
+    if not 0 < len(tid) <= _ID_MAX or not _TOKEN_MIN <= len(token) <= _ID_MAX:
+        return None
+    return tid, token
 
 
 def _remote_params(params: Mapping[str, Any]) -> TransferParams | None:
@@ -126,6 +178,8 @@ class SchedulerState:
         self.sending: set[str] = set()
         #: D: requests marked for a remote prefill without kvbridge's parameters (prefilled here)
         self.foreign_params = 0
+        #: P: requests of the concurrent dispatch not past their last prefill step, by vLLM id
+        self._layerwise: dict[str, _Layerwise] = {}
 
     # -- P: prompt truncation ---------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -136,6 +190,19 @@ class SchedulerState:
         params[TRUNCATED_KEY] = True  # set before any early return: never revisit this request
         total = int(request.num_prompt_tokens)
         keep = prefill_token_count(total, self.has_state)
+        layerwise = layerwise_of(params)
+        if layerwise is not None:
+            self._layerwise[request.request_id] = _Layerwise(*layerwise, keep)
+        elif params.get(LAYERWISE_KEY) is not None:
+            log.error(
+                "request %s: %s must be {'id': <1-%d chars>, 'token': <%d-%d chars>}; "
+                "served without layer-wise transfer",
+                request.request_id,
+                LAYERWISE_KEY,
+                _ID_MAX,
+                _TOKEN_MIN,
+                _ID_MAX,
+            )
         if keep == total:
             return
         if request.prompt_token_ids is None:  # prompt embeddings: nothing we can cut safely
@@ -160,8 +227,9 @@ class SchedulerState:
             return 0, False
         prompt_len = len(request.prompt_token_ids or ())
         count = remote_prefill_token_count(prompt_len, self.has_state, num_computed_tokens)
-        # Never ask for more than P computed (a P configured differently, or a shorter prompt).
-        count = min(count, max(0, remote.num_tokens - num_computed_tokens))
+        if not remote.layerwise:  # P computes the same prompt at once: D knows its count
+            # Never ask for more than P computed (a P configured differently, or a shorter prompt).
+            count = min(count, max(0, remote.num_tokens - num_computed_tokens))
         return count, count > 0
 
     def _foreign_params(self, request: Any, params: dict[str, Any]) -> None:
@@ -206,8 +274,11 @@ class SchedulerState:
         local = self.transfer_block_ids(block_ids)
         for g in self.groups:
             if g.kind is GroupKind.SLIDING_WINDOW and g.index in local:
-                # P's list was already cut to the window: D loads only that tail.
+                # P's list was already cut to the window: D loads only that tail (in the
+                # concurrent dispatch P's list is not known yet: the window's own length).
                 held = len(remote.block_ids.get(g.index, ()))
+                if remote.layerwise and g.window_blocks is not None:
+                    held = min(len(local[g.index]), g.window_blocks)
                 local[g.index] = tail_block_ids(local[g.index], held)
         self._plan.loads.append(LoadRequest(request.request_id, dict(raw), local))
 
@@ -229,6 +300,7 @@ class SchedulerState:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
+        self._layerwise.pop(request.request_id, None)
         if not _finished_normally(request):
             return False, None  # aborted or errored on P: free the blocks now, publish nothing
         ids = {g: b for g, b in self.transfer_block_ids(block_ids).items() if b}
@@ -242,8 +314,13 @@ class SchedulerState:
                 return False, self._declined(request.request_id, why)
         num_tokens = int(request.num_computed_tokens)
         mode = _request_mode(params, self.mode, request.request_id)
+        layerwise = layerwise_of(params)
+        # The concurrent dispatch: D asked for a push under the router's id and token already.
+        transfer_id, token = layerwise or ("", auth.new_token())
+        if layerwise is not None:
+            mode = Mode.PUSH
         transfer = TransferParams(
-            request.request_id,
+            transfer_id or request.request_id,
             self.ranks[0].engine_id,
             self.endpoint,
             ids,
@@ -251,10 +328,12 @@ class SchedulerState:
             self.transport,
             mode,
             self.ranks if len(self.ranks) > 1 else [],
-            token=auth.new_token(),
+            token=token,
         )
         self._plan.publishes.append(
-            PublishRequest(request.request_id, ids, num_tokens, mode.value, transfer.token)
+            PublishRequest(
+                request.request_id, ids, num_tokens, mode.value, transfer.token, transfer_id
+            )
         )
         self.sending.add(request.request_id)
         out = {
@@ -284,10 +363,58 @@ class SchedulerState:
         return {"do_remote_prefill": False, "do_remote_decode": False, DECLINED_KEY: why}
 
     # -- steps ------------------------------------------------------------------------------------
-    def build_step(self) -> StepPlan:
-        """What the workers must start now; the state is reset for the next step."""
+    def build_step(self, scheduler_output: Any = None) -> StepPlan:
+        """What the workers must start now; the state is reset for the next step.
+
+        ``scheduler_output`` (vLLM's ``SchedulerOutput`` of this step) tells which requests of
+        the concurrent dispatch finish their prefill in this step: their layers stream.
+        """
+        if scheduler_output is not None and self._layerwise:
+            self._plan.layerwise.extend(self._layerwise_steps(scheduler_output))
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+    def _layerwise_steps(self, out: Any) -> list[LayerwiseStep]:
+        """Follow the tracked requests' block lists through the step's output (new requests
+        bring theirs whole, running ones the blocks added, resumed ones theirs anew) and name
+        those whose prompt this step completes."""
+        scheduled: dict[str, int] = out.num_scheduled_tokens
+        seen: list[tuple[str, int]] = []
+        for new in out.scheduled_new_reqs:
+            tracked = self._layerwise.get(new.req_id)
+            if tracked is not None:
+                tracked.blocks = [list(b) for b in new.block_ids]
+                seen.append((new.req_id, int(new.num_computed_tokens)))
+        cached = out.scheduled_cached_reqs
+        resumed: set[str] = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for i, rid in enumerate(cached.req_ids):
+            tracked = self._layerwise.get(rid)
+            if tracked is None:
+                continue
+            added = cached.new_block_ids[i]
+            if rid in resumed:
+                tracked.blocks = [list(b) for b in (added or ())]
+            elif added is not None:
+                if not tracked.blocks:
+                    tracked.blocks = [[] for _ in added]
+                for group, ids in zip(tracked.blocks, added, strict=False):
+                    group.extend(ids)
+            seen.append((rid, int(cached.num_computed_tokens[i])))
+        kinds = {g.index: g.kind for g in self.groups}
+        steps = []
+        for rid, computed in seen:
+            tracked = self._layerwise[rid]
+            if computed + int(scheduled.get(rid, 0)) < tracked.prompt_tokens:
+                continue  # an earlier chunk: its layers go with the last one
+            del self._layerwise[rid]
+            paged = {
+                g: ids
+                for g, ids in self.transfer_block_ids(tracked.blocks).items()
+                if ids and kinds[g] is not GroupKind.STATE
+            }
+            if paged:
+                steps.append(LayerwiseStep(tracked.transfer_id, tracked.token, paged))
+        return steps
 
     @property
     def has_pending_publish(self) -> bool:

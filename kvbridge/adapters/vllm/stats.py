@@ -16,7 +16,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvbridge.control.requests import RequestStats
 
 #: Per-transfer series kept in ``data`` (plain lists: the payload crosses processes).
-SERIES = ("nbytes", "descriptors", "descriptors_before_merge", "transfer_s", "handshake_s")
+SERIES = (
+    "nbytes",
+    "descriptors",
+    "descriptors_before_merge",
+    "transfer_s",
+    "handshake_s",
+    # of ``nbytes``, what P wrote layer by layer while still computing (layer-wise push)
+    "streamed_nbytes",
+)
 
 
 #: Counters summed over workers and intervals: failed loads; of those, the ones that waited for a
@@ -137,4 +145,7 @@ class KVBridgeStats(KVConnectorStats):
                 "handshake_ms": round(float(np.sum(self.data["handshake_s"])) * 1e3, 3),
             }
         )
+        streamed = float(np.sum(self.data["streamed_nbytes"]))
+        if streamed:
+            out["streamed_MiB"] = round(streamed / 2**20, 3)
         return out

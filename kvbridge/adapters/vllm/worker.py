@@ -14,12 +14,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvbridge.adapters.vllm.layout import SPLIT_HEAD_KV, SPLIT_OPAQUE, build_layout_spec
+from kvbridge.adapters.vllm.layout import (
+    SPLIT_HEAD_KV,
+    SPLIT_OPAQUE,
+    build_layout_spec,
+    group_kind,
+)
 from kvbridge.adapters.vllm.options import Options
-from kvbridge.adapters.vllm.scheduler import StepPlan
+from kvbridge.adapters.vllm.scheduler import LayerwiseStep, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.transpose import transpose_received
 from kvbridge.control.requests import Mode, TransferParams, rank_engine_id
+from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport_class
 from kvbridge.core.transpose import Transpose
@@ -49,12 +55,13 @@ class ConnectorWorker:
         self.kv_cache_config = kv_cache_config
         self.plane: ControlPlane | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
-        self._sending: set[str] = set()
+        self._sending: dict[str, str] = {}  # the plane's id of a published request → vLLM's
         self._recving: dict[str, str] = {}  # P's request id (the plane's key) → D's request id
         self._early: list[str] = []  # publishes that failed: report their blocks free at once
         self._failed_now: set[str] = set()  # loads that could not even start
         self._stats = KVBridgeStats()
         self._unproven_seen: set[str] = set()  # loads held for good, already counted
+        self._paged_layers: set[str] = set()  # layers whose K/V stream (not recurrent state)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tp_rank, tp_size = _tp(self.vllm_config)
@@ -72,6 +79,12 @@ class ConnectorWorker:
         if model is not None and not getattr(model, "use_mla", False):
             total_heads = int(model.get_total_num_kv_heads())
         self._kv_caches = kv_caches
+        self._paged_layers = {
+            name
+            for group in self.kv_cache_config.kv_cache_groups
+            if group_kind(group.kv_cache_spec) is not GroupKind.STATE
+            for name in group.layer_names
+        }
         spec = build_layout_spec(
             self.kv_cache_config,
             kv_caches,
@@ -128,9 +141,9 @@ class ConnectorWorker:
         for pub in plan.publishes:
             try:
                 plane.publish(
-                    pub.request_id, pub.block_ids, pub.num_tokens, Mode(pub.mode), pub.token or None
+                    pub.plane_id, pub.block_ids, pub.num_tokens, Mode(pub.mode), pub.token or None
                 )
-                self._sending.add(pub.request_id)
+                self._sending[pub.plane_id] = pub.request_id
             except Exception as err:  # blocks must still be freed, or P leaks them
                 log.error("kvbridge: publish of %s failed: %s", pub.request_id, err)
                 self._early.append(pub.request_id)
@@ -152,6 +165,21 @@ class ConnectorWorker:
             except Exception as err:
                 log.warning("kvbridge: release not sent (%s); P's lease frees it", err)
 
+    def stream_layer(self, layer_name: str, steps: list[LayerwiseStep]) -> None:
+        """P, between two layers of the forward pass: write this layer of each request whose
+        prefill ends in this step to the decode ranks that asked for it. Never raises (the
+        forward pass goes on; a failed write fails the push at publish, fenced)."""
+        plane = self.plane
+        if plane is None or layer_name not in self._paged_layers:
+            return
+        for step in steps:
+            try:
+                plane.stream(step.transfer_id, step.token, step.block_ids, (layer_name,))
+            except Exception as err:
+                log.warning(
+                    "kvbridge: layer %s of %s not streamed: %s", layer_name, step.transfer_id, err
+                )
+
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """Finished sends (P may free) and receives (D may run), failed receives marked.
 
@@ -170,8 +198,7 @@ class ConnectorWorker:
         for outcome in self.plane.poll_finished():
             rid = outcome.request_id
             if rid in self._sending:
-                self._sending.discard(rid)
-                results.finished_sending.add(rid)
+                results.finished_sending.add(self._sending.pop(rid))
                 if outcome.ok and outcome.stats.nbytes:  # P pushed: the bytes were P's work
                     self._stats.record(outcome.stats)
                 elif outcome.stats.lease_expired:  # D never released them: P freed them

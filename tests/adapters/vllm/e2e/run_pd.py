@@ -46,7 +46,9 @@ from typing import Any
 FREEZE_S = 12.0
 CORE_P = "0"
 CORE_D = "1"
-MODES = ("pull", "push")
+#: pull and push: P, then D with P's answer; layerwise: the concurrent dispatch (D gets the
+#: request while P computes it, P streams each layer as it is computed: issue 29).
+MODES = ("pull", "push", "layerwise")
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ def _engine_env(cores: str) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # ``collective_rpc`` with a function (``pending_pushes``): test-only introspection.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, tp: int = 1) -> Any:
@@ -188,6 +192,7 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
 
     engine = llm.llm_engine
     hits_before, bytes_before = _local_prefix_hits(llm), _loaded_bytes(llm)
+    streamed_before = _streamed_bytes(llm)
     t0 = time.perf_counter()
     rids = []
     for k, (ids, max_tokens, params, top2) in enumerate(requests):
@@ -222,7 +227,11 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     hits = _local_prefix_hits(llm) - hits_before
     # The stats reach the metrics with the step that reports the load done: all have come.
     moved = _loaded_bytes(llm) - bytes_before
-    return [_result(final[r], first.get(r), done[r], t0, hits, moved) for r in rids]
+    streamed = _streamed_bytes(llm) - streamed_before
+    results = [_result(final[r], first.get(r), done[r], t0, hits, moved) for r in rids]
+    for r in results:
+        r["streamed_bytes"] = streamed
+    return results
 
 
 def _result(
@@ -268,6 +277,22 @@ LOADED_BYTES = ("vllm:kvbridge_transfer_bytes", "vllm:nixl_bytes_transferred")
 def _loaded_bytes(llm: Any) -> float:
     """Bytes this engine's connector moved so far (the sums of the histograms above)."""
     return float(sum(m.sum for m in llm.get_metrics() if m.name in LOADED_BYTES))  # type: ignore[attr-defined]
+
+
+def _pending_pushes(worker: Any) -> list[str]:
+    """On a worker: the requests decode asked this prefill to push before it published them."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    plane = get_kv_transfer_group().plane
+    if plane is None:
+        return []
+    with plane._lock:
+        return sorted({key[0] for key in plane._prefill._pending_push})
+
+
+def _streamed_bytes(llm: Any) -> float:
+    """Bytes P wrote layer by layer into this engine so far (layer-wise push)."""
+    return float(sum(m.sum for m in llm.get_metrics() if m.name == "vllm:kvbridge_streamed_bytes"))  # type: ignore[attr-defined]
 
 
 def _local_prefix_hits(llm: Any) -> int:
@@ -333,6 +358,9 @@ def engine_main(
                 conn.send(("ok", bool(llm.reset_prefix_cache())))
             elif msg == "usage":
                 conn.send(("ok", _kv_usage(llm)))
+            elif msg == "pending_pushes":
+                ids = llm.collective_rpc(_pending_pushes)
+                conn.send(("ok", sorted({rid for rank in ids for rid in rank})))
             elif msg[0] == "batch":
                 conn.send(("ok", _generate_many(llm, msg[1])))
             else:
@@ -392,6 +420,10 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("reset"))
+
+    def pending_pushes(self) -> list[str]:
+        """P: the requests a decode instance asked it to push before it published them."""
+        return list(self._call("pending_pushes"))
 
     def kv_usage(self) -> float:
         return float(self._call("usage"))
@@ -585,12 +617,40 @@ def build_reference(case: ModelCase, root: Path, max_tokens: int = 32, tp: int =
     )
 
 
-def _decode(p: Engine, d: Engine, ids: list[int], mode: str, max_tokens: int) -> tuple[dict, dict]:
+def _decode(
+    p: Engine, d: Engine, ids: list[int], mode: str, max_tokens: int, prefill: dict | None = None
+) -> tuple[dict, dict]:
+    if mode == "layerwise":
+        if prefill is None:
+            raise RuntimeError("the layer-wise dispatch needs P's address from an earlier answer")
+        return _decode_layerwise(p, d, ids, max_tokens, prefill)
     pre = p.generate(ids, 1, {"do_remote_decode": True, "kvbridge_mode": mode})
     params = pre["kv_transfer_params"]
     if not params:
         raise RuntimeError("P returned no kv_transfer_params")
     return pre, d.generate(ids, max_tokens, dict(params), top2=True)
+
+
+def _decode_layerwise(
+    p: Engine, d: Engine, ids: list[int], max_tokens: int, prefill: dict[str, Any]
+) -> tuple[dict, dict]:
+    """D first, then P once D's push request reached it (so that P streams every layer: a race
+    left alone would stream only when P is slower than D's request, as a real router's is)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbridge.adapters.vllm.dispatch import concurrent_params
+
+    to_p, to_d = concurrent_params(prefill)
+    tid = to_p["kvbridge_layerwise"]["id"]
+    with ThreadPoolExecutor(1) as pool:
+        dec = pool.submit(d.generate, ids, max_tokens, to_d, True)
+        deadline = time.monotonic() + 60
+        while tid not in p.pending_pushes():
+            if dec.done() or time.monotonic() > deadline:
+                raise RuntimeError(f"D's push request for {tid} never reached P: {dec}")
+            time.sleep(0.02)
+        pre = p.generate(ids, 1, to_p)
+        return pre, dec.result(300)
 
 
 def _after_fault(
@@ -675,11 +735,16 @@ def run_pair(
         # for log-probs: 1.5-3.5 s on these CPUs, in any engine, kvbridge or not. D's first
         # time to first token would measure that compile, so D asks once before the prompts.
         d.generate(WARMUP_PROMPT, 1, None, top2=True)
+        prefill: dict[str, Any] | None = None  # P's address, from its first answer
         for mode in modes:
             p.reset_prefix_cache()
             d.reset_prefix_cache()
             for i, ids in enumerate(ref.prompts):
-                pre, dec = _decode(p, d, ids, mode, max_tokens)
+                pre, dec = _decode(p, d, ids, mode, max_tokens, prefill)
+                if prefill is None and pre["kv_transfer_params"]:
+                    from kvbridge.adapters.vllm.dispatch import prefill_address
+
+                    prefill = prefill_address(pre["kv_transfer_params"])
                 repeat = i == len(ref.prompts) - 1
                 r = {
                     "mode": mode,
@@ -697,6 +762,7 @@ def run_pair(
                     "d_cached": dec["local_hit_tokens"],
                     "p_cached": dec["num_cached_tokens"],
                     "d_loaded_bytes": dec["loaded_bytes"],
+                    "d_streamed_bytes": dec["streamed_bytes"],
                 }
                 results.append(r)
                 log(
@@ -704,6 +770,7 @@ def run_pair(
                     f"match={r['match']} P {pre['total_s'] * 1e3:.0f} ms, D ttft "
                     f"{dec['ttft_s'] * 1e3:.0f} ms, D cached {dec['local_hit_tokens']} (P "
                     f"{dec['num_cached_tokens']}), D loaded {dec['loaded_bytes']:.0f} B"
+                    f" ({dec['streamed_bytes']:.0f} B layer by layer)"
                 )
                 if r["match"] != "exact":
                     log(f"    D:   {dec['token_ids']}\n    ref: {ref.tokens[i]}")
@@ -818,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama", choices=sorted(CASES))
     ap.add_argument("--transport", default="mooncake")
-    ap.add_argument("--modes", default="pull,push")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--port-p", type=int, default=5790)
     ap.add_argument("--port-d", type=int, default=5890)

@@ -1,0 +1,67 @@
+"""The concurrent dispatch: what a router gives P and D when both get a request at once.
+
+In vLLM's P/D convention a router sends the prompt to P, waits for P's answer and its
+``kv_transfer_params``, then sends the prompt to D with them: D learns the request only after P
+computed it. For layer-wise transfer D must know the request while P computes it, so that P can
+write each layer into D's blocks as soon as it is computed. The router then makes one transfer id
+and one capability token, and sends both requests at once:
+
+- to P: ``{"do_remote_decode": True, "kvbridge_layerwise": {"id": ..., "token": ...}}``; P
+  publishes the request under that id and token, in push mode, and streams its layers;
+- to D: ``{"do_remote_prefill": True, "kvbridge": TransferParams(...)}`` naming P's side channel
+  (from any earlier answer of that P: ``prefill_address``), the same id and token, no block ids
+  (P's are not known yet), ``layerwise: True``. D allocates its blocks, asks P for a push of the
+  request at once, and loads what P writes.
+
+The token is as unguessable as the one P makes itself (``kvbridge.control.auth.new_token``) and
+grants what P's does: only the bearer's push is served. The router is the only party that sees
+both requests, so it must not take the id or token from a client.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from kvbridge.adapters.vllm.scheduler import LAYERWISE_KEY, PARAMS_KEY
+from kvbridge.control import auth
+from kvbridge.control.requests import Mode, TransferParams
+
+#: The fields of P's published parameters that name P (its rank 0, its TP ranks, its transport).
+ADDRESS_FIELDS = ("engine_id", "endpoint", "transport", "ranks")
+
+
+def prefill_address(kv_transfer_params: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The part of a P answer's ``kv_transfer_params`` that names P, or ``None`` without one
+    (P declined to hold the request, or answered with another connector's parameters)."""
+    raw = kv_transfer_params.get(PARAMS_KEY)
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        TransferParams.from_dict(raw)
+    except Exception:
+        return None
+    return {name: raw[name] for name in ADDRESS_FIELDS if name in raw}
+
+
+def concurrent_params(address: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(to P, to D)``: the ``kv_transfer_params`` of one request sent to both at once.
+
+    ``address``: ``prefill_address`` of an earlier answer of the P the request goes to.
+    """
+    transfer_id, token = f"kvbridge-{uuid.uuid4().hex}", auth.new_token()
+    to_p = {"do_remote_decode": True, LAYERWISE_KEY: {"id": transfer_id, "token": token}}
+    transfer = TransferParams.from_dict(
+        {
+            **{k: address[k] for k in ADDRESS_FIELDS if k in address},
+            "request_id": transfer_id,
+            "block_ids": {},
+            "num_tokens": 0,
+            "mode": Mode.PUSH.value,
+            "token": token,
+            "layerwise": True,
+        }
+    )
+    to_d = {"do_remote_prefill": True, PARAMS_KEY: transfer.to_dict()}
+    return to_p, to_d

@@ -1,0 +1,113 @@
+"""The concurrent dispatch's scheduler side (issue 29), with vLLM's own Request and
+SchedulerOutput classes: P streams a request's layers in the step that ends its prefill, and
+publishes it under the router's id and token; D counts what it loads from its own prompt."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import RequestStatus
+
+from kvbridge.adapters.vllm.scheduler import LAYERWISE_KEY, PARAMS_KEY, GroupInfo, SchedulerState
+from kvbridge.control.requests import Mode, RankAddress, TransferParams
+from kvbridge.core import GroupKind
+from tests.adapters.vllm.conftest import make_request
+
+HYBRID = [GroupInfo(0, GroupKind.ATTENTION), GroupInfo(1, GroupKind.STATE)]
+WINDOWED = [
+    GroupInfo(0, GroupKind.ATTENTION),
+    GroupInfo(1, GroupKind.SLIDING_WINDOW, window_blocks=2),
+]
+ROUTER = {"id": "transfer-1", "token": "t" * 24}
+
+
+def state(groups=HYBRID) -> SchedulerState:
+    ranks = [RankAddress("p", "tcp://127.0.0.1:1")]
+    return SchedulerState(groups, engine_id="p", ranks=ranks, transport="mooncake")
+
+
+def step_new(req, block_ids, scheduled: int) -> SchedulerOutput:
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, block_ids)]
+    out.num_scheduled_tokens = {req.request_id: scheduled}
+    return out
+
+
+def step_cached(req, new_block_ids, computed: int, scheduled: int) -> SchedulerOutput:
+    out = SchedulerOutput.make_empty()
+    cached = CachedRequestData.make_empty()
+    cached.req_ids = [req.request_id]
+    cached.new_block_ids = [new_block_ids]
+    cached.num_computed_tokens = [computed]
+    cached.num_output_tokens = [0]
+    out.scheduled_cached_reqs = cached
+    out.num_scheduled_tokens = {req.request_id: scheduled}
+    return out
+
+
+def test_p_streams_the_paged_layers_in_the_step_that_ends_the_prefill() -> None:
+    sched = state()
+    req = make_request("r1", 100, {"do_remote_decode": True, LAYERWISE_KEY: dict(ROUTER)})
+    sched.on_new_request(req)  # N-1 = 99 tokens to prefill (a STATE group)
+    # chunked prefill: 64 tokens, then the other 35
+    first = sched.build_step(step_new(req, ([3, 4], [0]), 64))
+    assert first.layerwise == []
+    last = sched.build_step(step_cached(req, ([5, 6], [9]), 64, 35))
+    (step,) = last.layerwise
+    assert step.transfer_id == "transfer-1" and step.token == ROUTER["token"]
+    assert step.block_ids == {0: [3, 4, 5, 6]}  # the STATE group goes at publish, once final
+    assert "t" * 24 not in repr(step)  # a credential is never in a log line
+    assert sched.build_step(step_cached(req, None, 99, 1)).layerwise == []  # streamed once
+
+
+def test_p_publishes_under_the_routers_id_and_token_as_a_push() -> None:
+    sched = state()
+    params_in = {"do_remote_decode": True, LAYERWISE_KEY: dict(ROUTER), "kvbridge_mode": "pull"}
+    req = make_request("r1", 100, params_in)
+    sched.on_new_request(req)
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = sched.request_finished(req, ([3, 4, 5, 6], [0, 9]))
+    assert delay and params is not None
+    transfer = TransferParams.from_dict(params[PARAMS_KEY])
+    assert transfer.request_id == "transfer-1" and transfer.token == ROUTER["token"]
+    assert transfer.mode is Mode.PUSH  # D asked for a push: P writes
+    (pub,) = sched.build_step().publishes
+    assert pub.request_id == "r1" and pub.plane_id == "transfer-1"
+
+
+def test_p_ignores_a_malformed_layerwise_request(caplog) -> None:
+    sched = state()
+    bad = {"do_remote_decode": True, LAYERWISE_KEY: {"id": "x", "token": "short"}}
+    req = make_request("r1", 100, bad)
+    with caplog.at_level(logging.ERROR, logger="kvbridge.vllm"):
+        sched.on_new_request(req)
+    assert any(LAYERWISE_KEY in r.getMessage() for r in caplog.records)
+    assert sched.build_step(step_new(req, ([3, 4, 5, 6], [9]), 99)).layerwise == []
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = sched.request_finished(req, ([3, 4, 5, 6], [9]))
+    transfer = TransferParams.from_dict(params[PARAMS_KEY])
+    assert transfer.request_id == "r1" and transfer.token != "short"  # P's own, as usual
+
+
+def d_params(layerwise: bool = True) -> dict:
+    transfer = TransferParams(
+        "transfer-1", "p", "tcp://127.0.0.1:1", {}, 0, "mooncake", Mode.PUSH,
+        token=ROUTER["token"], layerwise=layerwise,
+    )  # fmt: skip
+    return {"do_remote_prefill": True, PARAMS_KEY: transfer.to_dict()}
+
+
+def test_d_counts_from_its_own_prompt_and_clips_the_window_itself() -> None:
+    d = state(WINDOWED)
+    req = make_request("d1", 200, d_params())
+    count, asynchronous = d.get_num_new_matched_tokens(req, 0)
+    assert (count, asynchronous) == (200, True)  # no STATE group: every token, P's count unknown
+    d.update_state_after_alloc(req, ([1, 2, 3, 4], [5, 6, 7, 8]), count)
+    (load,) = d.build_step().loads
+    assert load.block_ids == {0: [1, 2, 3, 4], 1: [7, 8]}  # the window's blocks, the tail
+    # the classic dispatch still trusts P's count: 0 tokens published, nothing to load
+    classic = make_request("d2", 200, d_params(layerwise=False))
+    assert d.get_num_new_matched_tokens(classic, 0) == (0, False)
