@@ -273,19 +273,39 @@ class Leases:
         for key in streams:
             self._end_stream(key, "the control plane was closed", wait=True)
 
-    def _end_stream(self, key: PushKey, reason: str, wait: bool = False) -> None:
+    def withdraw(self, request_id: str, token: str, reason: str) -> None:
+        """P will not publish a request D may be waiting for (it declined to hold it, or the
+        request ended otherwise on P): every D rank that asked for its push hears so now
+        (after the fence of what was streamed), and a push asked later is refused, so that D
+        computes the prompt itself at once instead of at its deadline."""
+        with self._lock:
+            until = time.monotonic() + self._ctx.deadlines.remember
+            self._withdrawn[(request_id, token)] = until
+            asked = {
+                key: self._pending_push.pop(key)
+                for key in list(self._pending_push)
+                if key[0] == request_id and auth.token_matches(token, key[2])
+            }
+        for key, (remote, _, _) in asked.items():
+            self._end_stream(key, reason, tell=remote.endpoint)
+
+    def _end_stream(
+        self, key: PushKey, reason: str, wait: bool = False, tell: str | None = None
+    ) -> None:
         """A stream whose push will not run (aborted, never published, closing): stop its
         writes, and once they are fenced remember the failed push for D's ``PushQuery``."""
         with self._lock:
             stream = self._streams.get(key)
-        if stream is None:
+        if stream is None and tell is None:
             return
-        stream.release(self._ctx)
+        if stream is not None:
+            stream.release(self._ctx)
+        handles = stream.handles if stream is not None else []
         rid, rank, token = key
 
         def fence() -> None:
             stats = RequestStats()
-            proof = fence_all(self._transfers, stream.handles, rid, stats)
+            proof = fence_all(self._transfers, handles, rid, stats)
             done = PushDone(
                 rid,
                 False,
@@ -297,6 +317,8 @@ class Leases:
                 self._push_results[(rid, rank)] = (done, until, token)
                 self._streams.pop(key, None)
             log.debug("request %s: stream to decode rank %d ended: %s", rid, rank, reason)
+            if tell is not None:  # D waits for this push: it fails now, not at its deadline
+                self._deliver(tell, done)
 
         if wait or self._ctx.closed:
             fence()
@@ -448,7 +470,10 @@ class Leases:
                 _require_token(lease, body)
             withdrawn = (rid, body.token) in self._withdrawn
             if withdrawn or (rid, body.rank) in self._push_results:
-                raise MessageError("withdrawn", f"request {rid!r} was aborted or already pushed")
+                raise MessageError(
+                    "withdrawn",
+                    f"request {rid!r} was aborted, withdrawn by prefill, or already pushed",
+                )
             body.block_ids = checked_ids(remote.layout, body.block_ids, "destination")
             if lease is None:
                 key = (rid, body.rank, body.token)

@@ -244,6 +244,12 @@ class ControlPlane:
         """
         return self._prefill.stream(request_id, token, block_ids, list(layers))
 
+    def withdraw(self, request_id: str, token: str, reason: str) -> None:
+        """P will not publish this request (declined past its hold limit, or ended otherwise):
+        every decode rank waiting for its push (the concurrent dispatch) is told at once, after
+        the fence of what was streamed; a push asked later is refused."""
+        self._prefill.withdraw(request_id, token, reason)
+
     @property
     def leased(self) -> list[str]:
         """Request ids whose blocks P still holds."""

@@ -158,6 +158,9 @@ def handle(
         ids = {int(k): v for k, v in cmd["block_ids"].items()}
         token = cmd.get("token")
         return plane.publish(cmd["request_id"], ids, cmd["num_tokens"], mode, token).to_dict()
+    if name == "withdraw":  # P: a request it will not publish (declined, ended on P)
+        plane.withdraw(cmd["request_id"], cmd["token"], cmd.get("reason", "test withdrawal"))
+        return {"withdrawn": True}
     if name == "stream":  # P: layers of a request computed before publish (layer-wise push)
         ids = {int(k): v for k, v in cmd["block_ids"].items()}
         return plane.stream(cmd["request_id"], cmd["token"], ids, cmd["layers"])

@@ -196,3 +196,40 @@ def test_a_stream_that_is_never_published_fails_the_load_after_the_fence(engines
     out = d.call(cmd="wait", request_id="s", timeout=90)
     assert not out["ok"]
     assert d.call(cmd="held") == []
+
+
+def test_a_withdrawn_request_fails_the_waiting_load_with_ps_reason(engines, transport):
+    # D's timeout is far beyond the test's wait: only P's word can end the load this early.
+    p = engines("prefill", transport, seed=71, num_blocks=512)
+    d = engines("decode", transport, seed=72, num_blocks=512, timeout=60, lease=120)
+    p_ids = BlockAllocator(p.layout, 11).request(TOKENS)
+    d_ids = BlockAllocator(d.layout, 12).request(TOKENS)
+    early_push(p, d, "s", d_ids, transport)
+    layers, paged = paged_layers(p), paged_ids(p, p_ids)
+    assert stream_until_written(p, "s", TOKEN, paged, layers[:1]) > 0
+    p.call(cmd="withdraw", request_id="s", token=TOKEN, reason="prefill declined: hold limit")
+    out = d.call(cmd="wait", request_id="s", timeout=30)
+    assert not out["ok"] and "hold limit" in out["reason"], out
+    assert d.call(cmd="held") == []
+    assert p.call(cmd="pending_push") == []
+
+
+def test_a_push_asked_after_the_withdrawal_is_refused(engines, transport):
+    p = engines("prefill", transport, seed=73, num_blocks=512)
+    d = engines("decode", transport, seed=74, num_blocks=512, timeout=60, lease=120)
+    p.call(cmd="withdraw", request_id="s", token=TOKEN, reason="prefill declined: hold limit")
+    d_ids = BlockAllocator(d.layout, 13).request(TOKENS)
+    params = {
+        "request_id": "s",
+        "engine_id": p.info["engine_id"],
+        "endpoint": p.info["endpoint"],
+        "block_ids": {},
+        "num_tokens": TOKENS,
+        "transport": transport,
+        "mode": "push",
+        "token": TOKEN,
+    }
+    d.call(cmd="push", params=params, block_ids=d_ids)
+    out = d.call(cmd="wait", request_id="s", timeout=30)
+    assert not out["ok"] and "withdrawn" in out["reason"], out
+    assert p.call(cmd="pending_push") == []

@@ -87,6 +87,15 @@ class LayerwiseStep:
 
 
 @dataclass
+class Withdrawal:
+    """P: a request of the concurrent dispatch it will not publish, and why."""
+
+    transfer_id: str
+    token: str = field(repr=False)  # a credential: never logged
+    reason: str = ""
+
+
+@dataclass
 class StepPlan:
     """Everything the workers must start this step (vLLM's connector metadata carries it)."""
 
@@ -96,9 +105,13 @@ class StepPlan:
     releases: list[dict[str, Any]] = field(default_factory=list)
     #: P: requests whose layers stream to D during this step's forward pass
     layerwise: list[LayerwiseStep] = field(default_factory=list)
+    #: P: requests of the concurrent dispatch it will not publish: tell the waiting D ranks
+    withdrawals: list[Withdrawal] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.publishes or self.releases or self.layerwise)
+        return bool(
+            self.loads or self.publishes or self.releases or self.layerwise or self.withdrawals
+        )
 
 
 @dataclass(frozen=True)
@@ -301,20 +314,22 @@ class SchedulerState:
         if not params.get("do_remote_decode"):
             return False, None
         self._layerwise.pop(request.request_id, None)
+        layerwise = layerwise_of(params)
         if not _finished_normally(request):
-            return False, None  # aborted or errored on P: free the blocks now, publish nothing
+            # aborted or errored on P: free the blocks now, publish nothing
+            return False, self._withdrawn(layerwise, "the request ended on prefill", None)
         ids = {g: b for g, b in self.transfer_block_ids(block_ids).items() if b}
         if not ids:
-            return False, None
+            return False, self._withdrawn(layerwise, "prefill holds nothing to send", None)
         if self.holds is not None:
             # What vLLM keeps while P holds the request: every real block of every group.
             kept = sum(sum(1 for b in group if b != NULL_BLOCK_ID) for group in block_ids)
             why = self.holds.admit(request.request_id, kept)
             if why is not None:
-                return False, self._declined(request.request_id, why)
+                declined = self._declined(request.request_id, why)
+                return False, self._withdrawn(layerwise, f"prefill declined: {why}", declined)
         num_tokens = int(request.num_computed_tokens)
         mode = _request_mode(params, self.mode, request.request_id)
-        layerwise = layerwise_of(params)
         # The concurrent dispatch: D asked for a push under the router's id and token already.
         transfer_id, token = layerwise or ("", auth.new_token())
         if layerwise is not None:
@@ -345,6 +360,15 @@ class SchedulerState:
             PARAMS_KEY: transfer.to_dict(),
         }
         return True, out
+
+    def _withdrawn(
+        self, layerwise: tuple[str, str] | None, why: str, answer: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """P publishes nothing for a request of the concurrent dispatch: its workers tell the
+        decode ranks waiting for it (``ControlPlane.withdraw``), which compute it themselves."""
+        if layerwise is not None:
+            self._plan.withdrawals.append(Withdrawal(*layerwise, why))
+        return answer
 
     def finished_sending(self, request_ids: set[str]) -> None:
         """The worker freed these published requests."""
@@ -419,7 +443,7 @@ class SchedulerState:
     @property
     def has_pending_publish(self) -> bool:
         """A publish waits for the next step: the engine must step even when idle."""
-        return bool(self._plan.publishes or self._plan.releases)
+        return bool(self._plan.publishes or self._plan.releases or self._plan.withdrawals)
 
     def transfer_block_ids(self, block_ids: Sequence[Sequence[int]]) -> dict[int, list[int]]:
         """Block ids per transferable group, null placeholders and scratch slots dropped.

@@ -159,6 +159,11 @@ class ConnectorWorker:
             except Exception as err:
                 log.error("kvbridge: load of %s failed to start: %s", load.request_id, err)
                 self._failed_now.add(load.request_id)
+        for gone in plan.withdrawals:
+            try:
+                plane.withdraw(gone.transfer_id, gone.token, gone.reason)
+            except Exception as err:  # D then fails its load at its deadline: time, not bytes
+                log.warning("kvbridge: withdrawal of %s not sent: %s", gone.transfer_id, err)
         for raw in plan.releases:
             try:
                 plane.abort(TransferParams.from_dict(raw), "decode will not load this request")

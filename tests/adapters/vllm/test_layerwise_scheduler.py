@@ -111,3 +111,37 @@ def test_d_counts_from_its_own_prompt_and_clips_the_window_itself() -> None:
     # the classic dispatch still trusts P's count: 0 tokens published, nothing to load
     classic = make_request("d2", 200, d_params(layerwise=False))
     assert d.get_num_new_matched_tokens(classic, 0) == (0, False)
+
+
+def test_p_withdraws_what_it_will_not_publish() -> None:
+    from kvbridge.control.holds import HoldBudget, HoldLimits
+
+    ranks = [RankAddress("p", "tcp://127.0.0.1:1")]
+    sched = SchedulerState(
+        HYBRID,
+        engine_id="p",
+        ranks=ranks,
+        transport="mooncake",
+        holds=HoldBudget(HoldLimits(max_requests=8, max_blocks=2)),
+    )
+    # past the hold limit: P holds nothing, and D (waiting for a push) hears it at once
+    big = make_request("big", 100, {"do_remote_decode": True, LAYERWISE_KEY: dict(ROUTER)})
+    sched.on_new_request(big)
+    big.num_computed_tokens = big.num_prompt_tokens
+    big.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, answer = sched.request_finished(big, ([3, 4, 5, 6], [9]))
+    assert not delay and answer is not None and answer["do_remote_prefill"] is False
+    # aborted on P
+    other = {"id": "transfer-2", "token": "u" * 24}
+    gone = make_request("gone", 100, {"do_remote_decode": True, LAYERWISE_KEY: other})
+    sched.on_new_request(gone)
+    gone.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(gone, ([7], [8])) == (False, None)
+    assert sched.has_pending_publish  # the engine steps to deliver them
+    plan = sched.build_step()
+    assert [(w.transfer_id, w.token) for w in plan.withdrawals] == [
+        ("transfer-1", ROUTER["token"]),
+        ("transfer-2", other["token"]),
+    ]
+    assert "hold" in plan.withdrawals[0].reason and not plan.publishes
+    assert ROUTER["token"] not in repr(plan)

@@ -418,3 +418,74 @@ def test_malformed_client_bodies_are_refused_before_any_backend_is_called(
         r = c.post("/v1/completions", content=payload, headers={"content-type": "application/json"})
     assert r.status_code == status and "message" in r.json()["error"]
     assert calls == []  # nothing reached P or D
+
+
+def _published(engine: str = "p0") -> dict[str, Any]:
+    """What a kvbridge P answers: its own params under ``kvbridge`` (it names P)."""
+    from kvbridge.control.requests import Mode, TransferParams
+
+    transfer = TransferParams(
+        "r", engine, "tcp://10.0.0.1:5790", {0: [1]}, 7, "mooncake", Mode.PULL, token="t" * 32
+    )
+    return {**PARAMS, "kvbridge": transfer.to_dict()}
+
+
+def test_concurrent_dispatch_learns_p_then_sends_both_at_once() -> None:
+    from kvbridge.control.requests import TransferParams
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        body = json.loads(req.content)
+        seen.append((req.url.host, body))
+        if req.url.host == "prefill":
+            return httpx.Response(200, json={"choices": [{}], "kv_transfer_params": _published()})
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    app = create_app([P], [D], transport=httpx.MockTransport(handler), dispatch="concurrent")
+    forged = {"kvbridge_layerwise": {"id": "mine", "token": "x" * 32}, "kvbridge_mode": "pull"}
+    with TestClient(app) as c:
+        first = c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+        second = c.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "hi", "max_tokens": 4, "kv_transfer_params": forged},
+        )
+    assert first.headers["x-kvbridge-dispatch"] == "sequential"  # P's address not known yet
+    assert second.status_code == 200 and second.json()["choices"][0]["text"] == "decoded"
+    assert second.headers["x-kvbridge-dispatch"] == "concurrent"
+    (to_p,) = [b for host, b in seen[2:] if host == "prefill"]
+    (to_d,) = [b for host, b in seen[2:] if host == "decode"]
+    router = to_p["kv_transfer_params"]["kvbridge_layerwise"]
+    assert router["id"] != "mine" and len(router["token"]) >= 32  # made here, not the client's
+    assert to_p["max_tokens"] == 1 and to_p["kv_transfer_params"]["do_remote_decode"] is True
+    params = TransferParams.from_dict(to_d["kv_transfer_params"]["kvbridge"])
+    assert params.layerwise and params.block_ids == {} and params.mode.value == "push"
+    assert (params.request_id, params.token) == (router["id"], router["token"])
+    assert (params.engine_id, params.endpoint) == ("p0", "tcp://10.0.0.1:5790")
+    assert to_d["max_tokens"] == 4 and to_d["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+def test_concurrent_dispatch_answers_with_d_when_p_fails() -> None:
+    calls = {"prefill": 0}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.host == "prefill":
+            calls["prefill"] += 1
+            if calls["prefill"] > 1:  # after P's address is known, P fails
+                return httpx.Response(500, json={"error": "engine died"})
+            return httpx.Response(200, json={"choices": [{}], "kv_transfer_params": _published()})
+        return httpx.Response(200, json={"choices": [{"text": "recomputed"}]})
+
+    app = create_app([P], [D], transport=httpx.MockTransport(handler), dispatch="concurrent")
+    with TestClient(app) as c:
+        c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+        text = c.get("/metrics").text
+    # D computed the prompt itself (its load fails at its timeout): the answer is still D's
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "recomputed"
+    assert 'kvbridge_proxy_backend_errors_total{backend="http://prefill:1",kind="http_5xx"' in text
+
+
+def test_an_unknown_dispatch_is_refused() -> None:
+    with pytest.raises(ValueError, match="sequential, concurrent"):
+        create_app([P], [D], dispatch="parallel")

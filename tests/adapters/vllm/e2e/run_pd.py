@@ -645,9 +645,10 @@ def _decode_layerwise(
     with ThreadPoolExecutor(1) as pool:
         dec = pool.submit(d.generate, ids, max_tokens, to_d, True)
         deadline = time.monotonic() + 60
-        while tid not in p.pending_pushes():
-            if dec.done() or time.monotonic() > deadline:
-                raise RuntimeError(f"D's push request for {tid} never reached P: {dec}")
+        # (D asks nothing when it loads nothing: a one-token prompt with a recurrent state.)
+        while not dec.done() and tid not in p.pending_pushes():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"D's push request for {tid} never reached P")
             time.sleep(0.02)
         pre = p.generate(ids, 1, to_p)
         return pre, dec.result(300)
@@ -735,16 +736,19 @@ def run_pair(
         # for log-probs: 1.5-3.5 s on these CPUs, in any engine, kvbridge or not. D's first
         # time to first token would measure that compile, so D asks once before the prompts.
         d.generate(WARMUP_PROMPT, 1, None, top2=True)
-        prefill: dict[str, Any] | None = None  # P's address, from its first answer
+        prefill: dict[str, Any] | None = None
+        if "layerwise" in modes:
+            # P's side channel, as a router learns it: from an answer of P's (a hold nobody
+            # claims, freed at P's claim timeout).
+            from kvbridge.adapters.vllm.dispatch import prefill_address
+
+            learnt = p.generate(WARMUP_PROMPT, 1, {"do_remote_decode": True})
+            prefill = prefill_address(learnt["kv_transfer_params"] or {})
         for mode in modes:
             p.reset_prefix_cache()
             d.reset_prefix_cache()
             for i, ids in enumerate(ref.prompts):
                 pre, dec = _decode(p, d, ids, mode, max_tokens, prefill)
-                if prefill is None and pre["kv_transfer_params"]:
-                    from kvbridge.adapters.vllm.dispatch import prefill_address
-
-                    prefill = prefill_address(pre["kv_transfer_params"])
                 repeat = i == len(ref.prompts) - 1
                 r = {
                     "mode": mode,
@@ -760,7 +764,11 @@ def run_pair(
                     "d_total_s": dec["total_s"],
                     "p_total_s": pre["total_s"],
                     "d_cached": dec["local_hit_tokens"],
-                    "p_cached": dec["num_cached_tokens"],
+                    # P's hit: D's params carry it (vLLM reports it as D's cached tokens),
+                    # except layer-wise, where D's params left before P computed anything
+                    "p_cached": pre["num_cached_tokens"]
+                    if mode == "layerwise"
+                    else dec["num_cached_tokens"],
                     "d_loaded_bytes": dec["loaded_bytes"],
                     "d_streamed_bytes": dec["streamed_bytes"],
                 }
@@ -769,7 +777,7 @@ def run_pair(
                     f"  {mode} prompt {i} ({len(ids)} tokens{', again' if repeat else ''}): "
                     f"match={r['match']} P {pre['total_s'] * 1e3:.0f} ms, D ttft "
                     f"{dec['ttft_s'] * 1e3:.0f} ms, D cached {dec['local_hit_tokens']} (P "
-                    f"{dec['num_cached_tokens']}), D loaded {dec['loaded_bytes']:.0f} B"
+                    f"{r['p_cached']}), D loaded {dec['loaded_bytes']:.0f} B"
                     f" ({dec['streamed_bytes']:.0f} B layer by layer)"
                 )
                 if r["match"] != "exact":

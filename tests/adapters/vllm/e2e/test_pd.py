@@ -1,7 +1,9 @@
 """P → D through ``KVBridgeConnector`` on two real vLLM engines, checked against one instance.
 
 Every model x transport runs one engine pair through ``run_pd.run_pair``: each prompt in pull and
-push mode (token ids over 32 greedy tokens equal to the single instance), a repeated prompt
+push mode and layer-wise (the concurrent dispatch: D gets the request while P computes it, P
+writes each layer as it is computed) (token ids over 32 greedy tokens equal to the single
+instance), a repeated prompt
 served partly from D's prefix cache, a control proving D decoded over P's KV, and P killed
 before D loads (D recomputes and still matches). The single-instance reference is computed once
 per model and shared by both transports.
@@ -36,6 +38,23 @@ RUNS = [
     ("qwen3_next", "mooncake"),
     ("deepseek_mla_bf16", "mooncake"),
 ]
+
+
+#: Models with a recurrent state (GDN): P sends it at publish, once final, not layer by layer.
+WITH_STATE = {"qwen3_next"}
+
+
+def check_layerwise(name: str, rows: list[dict]) -> None:
+    """Every layer-wise load (the concurrent dispatch, ``run_pd``'s ``layerwise`` mode) came
+    layer by layer as P computed it: all of its bytes, or all but the recurrent state's."""
+    loads = [r for r in rows if r["mode"] == "layerwise" and r["d_loaded_bytes"]]
+    assert loads, "no layer-wise load"
+    for r in loads:
+        streamed, loaded = r["d_streamed_bytes"], r["d_loaded_bytes"]
+        if name.split("_bf16")[0] in WITH_STATE:
+            assert 0 < streamed < loaded, (r["prompt"], streamed, loaded)
+        else:
+            assert streamed == loaded, (r["prompt"], streamed, loaded)
 
 
 def cpu_bf16_isa() -> str:
@@ -79,6 +98,7 @@ def test_pd_matches_single_instance(
         assert not bad, f"{mode}: D's tokens differ from the single instance: {bad}"
         if ref.case.tie == 0:
             assert all(r["match"] == "exact" for r in rows)
+    check_layerwise(name, summary["results"])
     repeats = [
         (r["mode"], r["d_cached"], r["p_cached"], r["d_loaded_bytes"])
         for r in summary["results"]

@@ -19,12 +19,13 @@ import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import Reference, run_pair
-from tests.adapters.vllm.e2e.test_pd import RESULTS
+from tests.adapters.vllm.e2e.test_pd import RESULTS, check_layerwise
 
 pytestmark = E2E
 
 #: (model, transport, mode, P's TP size, D's TP size): both directions, dense, MLA, the GDN
-#: hybrid (dense P TP 2 -> D TP 1 runs rank by rank in tests/control/test_tp.py).
+#: hybrid (dense P TP 2 -> D TP 1 runs rank by rank in tests/control/test_tp.py). Each pair
+#: also runs every prompt layer-wise (the concurrent dispatch, P's ranks streaming to D's).
 RUNS = [
     ("llama", "mooncake", "pull", 1, 2),
     ("deepseek_mla", "nixl", "push", 2, 1),
@@ -71,7 +72,7 @@ def test_tp_pair_matches_single_instance_at_d_tp(
     summary = run_pair(
         ref,
         transport,
-        modes=(mode,),
+        modes=(mode, "layerwise"),
         port_p=port_p,
         port_d=port_d,
         kill_check=False,
@@ -84,7 +85,8 @@ def test_tp_pair_matches_single_instance_at_d_tp(
         json.dumps(summary, indent=1)
     )
     rows = summary["results"]
-    assert len(rows) == len(ref.prompts)
+    assert len(rows) == 2 * len(ref.prompts)
+    check_layerwise(name, rows)
     bad = [(r["prompt"], r["d_tokens"], r["ref_tokens"]) for r in rows if r["match"] == "mismatch"]
     assert not bad, f"D (TP {tp_d}) differs from the single instance at TP {tp_d}: {bad}"
     if ref.case.tie == 0:
