@@ -143,5 +143,5 @@ def test_p_withdraws_what_it_will_not_publish() -> None:
         ("transfer-1", ROUTER["token"]),
         ("transfer-2", other["token"]),
     ]
-    assert "hold" in plan.withdrawals[0].reason and not plan.publishes
+    assert "held for decode" in plan.withdrawals[0].reason and not plan.publishes
     assert ROUTER["token"] not in repr(plan)
