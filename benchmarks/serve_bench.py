@@ -11,6 +11,19 @@ version lookup.
 
     .venv/bin/python benchmarks/serve_bench.py [--rates 1 2 4 inf] [--num-prompts 48]
 
+Layer-wise transfer (issue 29): ``kvbridge-<transport>-layerwise`` puts kvbridge's proxy in its
+concurrent dispatch in front (P and D get each request at once, P writes each layer into D as
+it is computed; vllm-router cannot dispatch that way), ``kvbridge-<transport>-push`` is the
+whole-request push behind vllm-router, and ``single`` is one instance without a connector: its
+TTFT is a prefill plus a first decode step, the limit no P/D split can beat. ``--input-lens``
+sweeps the prompt length; with ``--max-concurrency 1`` each TTFT is one request's, unqueued.
+``--kv-heavy`` serves a model shape with many KV heads on a narrow hidden size (64 KiB of KV
+per token for about 5 MFLOP of prefill), so the transfer is a visible part of the prefill.
+
+    .venv/bin/python benchmarks/serve_bench.py --kv-heavy --input-lens 1024 2048 4096 \
+        --rates inf --max-concurrency 1 --num-prompts 6 --connectors single \
+        kvbridge-mooncake kvbridge-mooncake-push kvbridge-mooncake-layerwise vllm-nixl
+
 Writes ``serve_bench.json`` (every run's vLLM result, less the per-request lists) and prints a
 markdown table of TTFT, TPOT and end-to-end latency p50/p99, request throughput and failed
 requests; ``--plot`` also draws p99 TTFT against the request rate (matplotlib, the ``bench``
@@ -47,8 +60,30 @@ from tests.adapters.vllm.e2e.serve_pd import (  # noqa: E402
     wait_healthy,
 )
 
-#: Connectors compared: kvbridge per transport (pull, P's default), and vLLM's own.
-CONNECTORS = ("kvbridge-mooncake", "kvbridge-nixl", "kvbridge-cma", "vllm-nixl")
+#: Connectors compared: kvbridge per transport (pull, P's default; ``-push``: whole-request push;
+#: ``-layerwise``: the concurrent dispatch behind kvbridge's proxy), vLLM's own, and one
+#: instance alone (``single``: the limit).
+CONNECTORS = (
+    "kvbridge-mooncake",
+    "kvbridge-nixl",
+    "kvbridge-cma",
+    "vllm-nixl",
+    "kvbridge-mooncake-push",
+    "kvbridge-nixl-push",
+    "kvbridge-mooncake-layerwise",
+    "kvbridge-nixl-layerwise",
+    "single",
+)
+#: The ``--kv-heavy`` model: 16 KV heads of 64 on a hidden size of 64, 8 layers, float32.
+KV_HEAVY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
 PERCENTILES = "50,99"
 
 #: Runs a ``vllm bench serve`` with the arguments given (vLLM's parser, vLLM's main).
@@ -59,16 +94,44 @@ BENCH = (
 )
 
 
-def start(connector: str, model: Path, work: Path) -> tuple[list[Server], str]:
-    """P, D and vllm-router for ``connector``: the servers and the router's URL."""
+def kvbridge_parts(connector: str) -> tuple[str, str]:
+    """``(transport, mode)`` of a ``kvbridge-<transport>[-<mode>]`` connector."""
+    transport, _, mode = connector.removeprefix("kvbridge-").partition("-")
+    return transport, mode or "pull"
+
+
+def start(
+    connector: str, model: Path, work: Path, max_model_len: int = 1024
+) -> tuple[list[Server], str]:
+    """P, D and the router in front for ``connector``: the servers and the URL clients use."""
     http_p, http_d, http_r, side_p, side_d = free_ports(5)
     args = vllm_args("float32", hybrid=False)
+    args[args.index("--max-model-len") + 1] = str(max_model_len)
     servers = []
+    if connector == "single":  # one instance on one core (as P prefills), no connector: the limit
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(http_d),
+            *args,
+        ]
+        servers.append(Server("single", argv, work / "single.log", _env("0")))
+        wait_healthy(servers, f"http://127.0.0.1:{http_d}/health", time.perf_counter() + 300)
+        return servers, f"http://127.0.0.1:{http_d}"
+    layerwise = False
     if connector.startswith("kvbridge-"):
+        transport, mode = kvbridge_parts(connector)
+        layerwise = mode == "layerwise"
         secret = work / "secret"
         secret.write_text(uuid.uuid4().hex + "\n")
         secret.chmod(0o600)
-        deploy = deploy_vars(str(model), connector.removeprefix("kvbridge-"), "pull", secret)
+        deploy = deploy_vars(str(model), transport, "push" if layerwise else mode, secret)
         for name, script, core, http, side in (
             ("prefill", "prefill.sh", "0", http_p, side_p),
             ("decode", "decode.sh", "1", http_d, side_d),
@@ -115,12 +178,16 @@ def start(connector: str, model: Path, work: Path) -> tuple[list[Server], str]:
         DECODE_URLS=f"http://127.0.0.1:{http_d}",
         ROUTER_HOST="127.0.0.1",
         ROUTER_PORT=str(http_r),
+        PROXY_HOST="127.0.0.1",
+        PROXY_PORT=str(http_r),
         VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
     )
+    # vllm-router dispatches P then D; the concurrent dispatch is kvbridge's proxy's.
+    front = ["proxy.sh", "--dispatch", "concurrent"] if layerwise else ["router.sh"]
     servers.append(
         Server(
             "router",
-            ["bash", str(DEPLOY / "router.sh")],
+            ["bash", str(DEPLOY / front[0]), *front[1:]],
             work / f"{connector}-router.log",
             router_env,
         )
@@ -131,7 +198,9 @@ def start(connector: str, model: Path, work: Path) -> tuple[list[Server], str]:
     return servers, f"http://127.0.0.1:{http_r}"
 
 
-def bench(url: str, model: Path, rate: float, a: argparse.Namespace, out: Path) -> dict[str, Any]:
+def bench(
+    url: str, model: Path, rate: float, a: argparse.Namespace, out: Path, input_len: int
+) -> dict[str, Any]:
     """One ``vllm bench serve`` run at ``rate``: vLLM's result JSON (per-request lists dropped)."""
     argv = [
         sys.executable,
@@ -148,7 +217,7 @@ def bench(url: str, model: Path, rate: float, a: argparse.Namespace, out: Path) 
         "--dataset-name",
         "random",
         "--random-input-len",
-        str(a.input_len),
+        str(input_len),
         "--random-output-len",
         str(a.output_len),
         "--num-prompts",
@@ -171,6 +240,8 @@ def bench(url: str, model: Path, rate: float, a: argparse.Namespace, out: Path) 
         "--ready-check-timeout-sec",
         "120",
     ]
+    if a.max_concurrency:
+        argv += ["--max-concurrency", str(a.max_concurrency)]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
     if run.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({run.returncode}):\n{run.stderr[-3000:]}")
@@ -197,11 +268,13 @@ COLUMNS = [
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one row per connector and rate."""
-    head = ["connector", "rate (req/s)", *(f"{t} (ms)" for t, _ in COLUMNS), "req/s", "failed"]
+    """Markdown: one row per connector, prompt length and rate."""
+    head = ["connector", "input", "rate (req/s)", *(f"{t} (ms)" for t, _ in COLUMNS)]
+    head += ["req/s", "failed"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = [r["connector"], "max" if math.isinf(r["rate"]) else f"{r['rate']:g}"]
+        cells = [r["connector"], str(r.get("input_len", ""))]
+        cells.append("max" if math.isinf(r["rate"]) else f"{r['rate']:g}")
         cells += [f"{r['result'].get(key, float('nan')):.1f}" for _, key in COLUMNS]
         cells += [f"{r['result']['request_throughput']:.2f}", str(r["result"].get("failed", 0))]
         lines.append("| " + " | ".join(cells) + " |")
@@ -209,25 +282,29 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """p99 TTFT against the request rate, one line per connector (the unbounded rate last)."""
+    """p99 TTFT against the request rate, one line per connector (the unbounded rate last); with
+    several prompt lengths, p50 TTFT against the prompt length instead."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = sorted({r["rate"] for r in rows})
+    by_length = len({r.get("input_len") for r in rows}) > 1
+    key, metric = ("input_len", "p50_ttft_ms") if by_length else ("rate", "p99_ttft_ms")
+    xs = sorted({r[key] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for connector in dict.fromkeys(r["connector"] for r in rows):
-        mine = {r["rate"]: r["result"]["p99_ttft_ms"] for r in rows if r["connector"] == connector}
+        mine = {r[key]: r["result"][metric] for r in rows if r["connector"] == connector}
         ax.plot(
-            range(len(rates)),
-            [mine.get(x, float("nan")) for x in rates],
+            range(len(xs)),
+            [mine.get(x, float("nan")) for x in xs],
             marker="o",
             label=connector,
         )
-    ax.set_xticks(range(len(rates)), ["max" if math.isinf(x) else f"{x:g}" for x in rates])
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("p99 TTFT (ms)")
+    labels = [str(x) if by_length else "max" if math.isinf(x) else f"{x:g}" for x in xs]
+    ax.set_xticks(range(len(xs)), labels)
+    ax.set_xlabel("prompt length (tokens)" if by_length else "request rate (req/s)")
+    ax.set_ylabel(f"{metric.split('_')[0]} TTFT (ms)")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -240,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0, 4.0, math.inf])
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument(
+        "--input-lens", nargs="+", type=int, help="prompt lengths to sweep (instead of one)"
+    )
+    ap.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    ap.add_argument("--kv-heavy", action="store_true", help="serve the KV-heavy model shape")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--json", default="serve_bench.json", help="where the results go")
     ap.add_argument("--plot", help="also draw p99 TTFT per rate into this PNG")
@@ -247,20 +329,20 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvb-serve-bench-") as tmp:
         work = Path(tmp)
-        model = build_llama(work / "llama", torch_dtype="float32")
+        shape = KV_HEAVY if a.kv_heavy else {}
+        model = build_llama(work / "llama", torch_dtype="float32", **shape)
+        lens = a.input_lens or [a.input_len]
+        max_len = max(1024, 2 ** math.ceil(math.log2(max(lens) + a.output_len + 1)))
         for connector in a.connectors:
-            servers, url = start(connector, model, work)
+            servers, url = start(connector, model, work, max_len)
             try:
-                for rate in a.rates:
-                    out = work / f"{connector}-{rate:g}.json"
-                    rows.append(
-                        {
-                            "connector": connector,
-                            "rate": rate,
-                            "result": bench(url, model, rate, a, out),
-                        }
-                    )
-                    print(table(rows[-1:]).splitlines()[-1], flush=True)
+                for input_len in lens:
+                    for rate in a.rates:
+                        out = work / f"{connector}-{input_len}-{rate:g}.json"
+                        result = bench(url, model, rate, a, out, input_len)
+                        row = {"connector": connector, "input_len": input_len, "rate": rate}
+                        rows.append({**row, "result": result})
+                        print(table(rows[-1:]).splitlines()[-1], flush=True)
             except Exception:
                 for s in servers:
                     print(f"--- {s.name} ---\n{tail(s.log)}", file=sys.stderr)
@@ -268,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for s in reversed(servers):
                     s.stop()
-    settings = {k: getattr(a, k) for k in ("num_prompts", "input_len", "output_len")}
+    keys = ("num_prompts", "input_len", "input_lens", "output_len", "max_concurrency", "kv_heavy")
+    settings = {k: getattr(a, k) for k in keys}
     Path(a.json).write_text(json.dumps({"settings": settings, "runs": rows}, indent=1))
     print(table(rows))
     if a.plot:
