@@ -243,6 +243,7 @@ def query(client: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
         "prefill_ms": float(prefill_ms) if prefill_ms is not None else None,
         "remote_engine_id": hdr.get("x-kvbridge-remote-engine-id"),
         "remote_num_tokens": hdr.get("x-kvbridge-remote-num-tokens"),
+        "dispatch": hdr.get("x-kvbridge-dispatch"),
         "p_cached": _cached(resp.usage),
         "total_s": total,
     }
@@ -343,6 +344,7 @@ TRANSFERS = "vllm:kvbridge_transfers_total"
 BYTES = "vllm:kvbridge_transfer_bytes_sum"
 DESCRIPTORS = "vllm:kvbridge_transfer_descriptors_sum"
 FAILURES = "vllm:kvbridge_transfer_failures_total"
+STREAMED = "vllm:kvbridge_streamed_bytes_sum"
 
 
 def transfer_stats(url: str, want: int, wait: float = 15.0) -> dict[str, float]:
@@ -361,6 +363,7 @@ def transfer_stats(url: str, want: int, wait: float = 15.0) -> dict[str, float]:
             "MiB": m.get(BYTES, 0.0) / 2**20,
             "descriptors": m.get(DESCRIPTORS, 0.0),
             "handshakes": m.get(HANDSHAKES, 0.0),
+            "streamed_MiB": m.get(STREAMED, 0.0) / 2**20,
         }
         if total["transfers"] >= want or time.monotonic() > deadline:
             return total
@@ -444,7 +447,10 @@ def start_pair(
     secret = work / "secret"
     secret.write_text(uuid.uuid4().hex + "\n")
     secret.chmod(0o600)
-    deploy = {**deploy_vars(str(ref.model), transport, mode, secret), **(extra or {})}
+    # layerwise: P pushes (the concurrent dispatch asks it to), the proxy dispatches at once
+    layerwise = mode == "layerwise"
+    deploy_mode = "push" if layerwise else mode
+    deploy = {**deploy_vars(str(ref.model), transport, deploy_mode, secret), **(extra or {})}
     if transport == "nixl" and hosts is not None:
         # Two namespaces are one node to UCX, which would read through CMA: TCP, as across hosts.
         deploy["KVB_TRANSPORT_OPTIONS"] = json.dumps({"ucx": {"TLS": "tcp"}})
@@ -505,7 +511,13 @@ def start_pair(
             Server("decode", [*in_d, str(DEPLOY / "decode.sh"), *args], work / "decode.log", d_env),
             Server(
                 "proxy",
-                [*in_d, str(DEPLOY / "proxy.sh"), "--timeout", str(REQUEST_TIMEOUT_S)],
+                [
+                    *in_d,
+                    str(DEPLOY / "proxy.sh"),
+                    "--timeout",
+                    str(REQUEST_TIMEOUT_S),
+                    *(["--dispatch", "concurrent"] if layerwise else []),
+                ],
                 work / "proxy.log",
                 proxy_env,
             ),
@@ -681,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default="llama", choices=sorted(CASES))
     ap.add_argument("--transport", default="mooncake")
-    ap.add_argument("--mode", default="pull", choices=["pull", "push"])
+    ap.add_argument("--mode", default="pull", choices=["pull", "push", "layerwise"])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--work-dir", help="model and logs here (kept); default: a temp dir")
     ap.add_argument("--json", help="write the summary here")

@@ -129,7 +129,8 @@ def hosts() -> Iterator[tuple[Host, Host]]:
 # NIXL push: the transport that needs its TLS chosen across namespaces (UCX would read through
 # CMA between two namespaces of one node). Mooncake across hosts: tests/control/test_two_hosts.py
 # and the one-host served case; the served pair is started once per case, so one case here.
-@pytest.mark.parametrize(("transport", "mode"), [("nixl", "push")])
+# Mooncake layer-wise: the proxy's concurrent dispatch (P and D at once, P streams each layer).
+@pytest.mark.parametrize(("transport", "mode"), [("nixl", "push"), ("mooncake", "layerwise")])
 def test_two_hosts_through_proxy_match_single_instance(
     reference: Callable[[str], Reference],
     tmp_path: Path,
@@ -152,3 +153,13 @@ def test_two_hosts_through_proxy_match_single_instance(
     # P on a pull, written by P on a push).
     p_sent = p_host.counters()[1] - p_before[1]
     assert p_sent >= summary["stats"]["MiB"] * 2**20, (p_sent, summary["stats"])
+    if mode == "layerwise":
+        # The first request learns P's side channel (sequential); every later one went to P and
+        # D at once. How much P streamed before its last layer depends on who was quicker (D's
+        # push request or P's forward pass): reported, not asserted (run_pd checks it in order).
+        dispatches = [r["dispatch"] for r in summary["results"]]
+        assert dispatches[0] == "sequential" and set(dispatches[1:]) == {"concurrent"}
+        print(
+            f"layer-wise: {summary['stats']['streamed_MiB']:.3f} MiB of "
+            f"{summary['stats']['MiB']:.3f} MiB streamed before P's forward pass ended"
+        )
