@@ -4,8 +4,10 @@
 each transport after the control-plane soak; ``tests/adapters/vllm/e2e/test_soak.py`` a short
 version in ``make test``). A prefill and a decode vLLM engine (``run_pd.Engine``, the tiny float32
 llama, ``verify: full``) serve waves of 2-6 concurrent requests, each in a random mode (pull or
-push), prompts drawn from the e2e's; before each wave one fault is chosen, every kind once per
-cycle:
+push), prompts drawn from the e2e's; every third wave is layer-wise instead (the concurrent
+dispatch: P and D get the wave at once, P writes each layer to D as it computes it, so a fault
+may hit P mid-forward or D mid-stream). Before each wave one fault is chosen, every kind once
+per cycle:
 
 - ``freeze_p`` / ``freeze_d``: SIGSTOP of the engine's process group before D has the wave or up
   to 0.2 s into its loads, for 0.3-2x the timeout, then SIGCONT;
@@ -65,6 +67,7 @@ class Tally:
     over_bound: int = 0
     faults: Counter[str] = field(default_factory=Counter)
     late_armed: int = 0
+    layerwise_waves: int = 0
     times: list[float] = field(default_factory=list)
     restarts: Counter[str] = field(default_factory=Counter)
 
@@ -93,6 +96,10 @@ class VllmSoak:
         self.tally = Tally()
         self.p = self._start("kv_producer")
         self.d = self._start("kv_consumer")
+        #: P's side channel for the layer-wise waves, learnt from an answer of P's (again
+        #: after P restarts: new ports)
+        self.address: dict[str, Any] | None = None
+        self.waves = 0
 
     def _start(self, role: str) -> Engine:
         # A fresh side-channel port per start: a killed engine's ports may linger.
@@ -106,6 +113,10 @@ class VllmSoak:
         return eng
 
     def wave(self, n: int, fault: str) -> None:
+        self.waves += 1
+        if self.waves % 3 == 0:  # every third wave
+            self.layerwise_wave(n, fault)
+            return
         picks = [self.rng.randrange(len(self.ref.prompts)) for _ in range(n)]
         modes = [self.rng.choice(("pull", "push")) for _ in range(n)]
         prefill = [
@@ -136,6 +147,72 @@ class VllmSoak:
             out = None
         if timer is not None:
             timer.join()
+        self._count(picks, out, fault)
+        if fault == "late_write":
+            landed = len(fault_kit.fired(self.root)) - fired_before
+            if landed == 0:  # no transfer of that kind happened (D had all of it cached)
+                fault_kit.disarm(self.root)
+                self.tally.late_armed -= 1
+        self._after(fault)
+        self.log(f"  wave of {n} ({fault}) in {time.perf_counter() - t0:.1f} s")
+
+    def layerwise_wave(self, n: int, fault: str) -> None:
+        """P and D get the wave at once (the concurrent dispatch); the fault starts with it, so
+        it may hit P mid-forward (streaming) or D mid-stream."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvbridge.adapters.vllm.dispatch import concurrent_params, prefill_address
+
+        if self.address is None:
+            learnt = self.p.generate(self.ref.prompts[0], 1, {"do_remote_decode": True})
+            self.address = prefill_address(learnt["kv_transfer_params"] or {})
+        assert self.address is not None, "P answered without kvbridge's parameters"
+        picks = [self.rng.randrange(len(self.ref.prompts)) for _ in range(n)]
+        params = [concurrent_params(self.address) for _ in picks]
+        self.tally.faults[fault] += 1
+        self.tally.layerwise_waves += 1
+        fired_before = len(fault_kit.fired(self.root))
+        if fault == "late_write":
+            fault_kit.arm(self.root, "write", self.rng.uniform(0, 50), self.unfenced)
+            self.tally.late_armed += 1
+        t0 = time.perf_counter()
+        timer = self._disturber(fault)
+        out = None
+        with ThreadPoolExecutor(1) as pool:
+            to_d = [
+                (self.ref.prompts[i], MAX_TOKENS, d, False)
+                for i, (_, d) in zip(picks, params, strict=True)
+            ]
+            decoded = pool.submit(self.d.generate_many, to_d)
+            try:
+                self.p.generate_many(
+                    [
+                        (self.ref.prompts[i], 1, to_p, False)
+                        for i, (to_p, _) in zip(picks, params, strict=True)
+                    ]
+                )
+            except (EOFError, OSError, RuntimeError, TimeoutError):
+                if fault != "kill_p":
+                    raise
+            try:
+                out = decoded.result(timeout=600)
+            except (EOFError, OSError, RuntimeError, TimeoutError) as err:
+                if fault != "kill_d":
+                    raise
+                self.log(f"  D killed with {n} layer-wise requests in it ({type(err).__name__})")
+                self.tally.requests += n
+                self.tally.lost_with_d += n
+        if timer is not None:
+            timer.join()
+        if fault == "late_write" and len(fault_kit.fired(self.root)) == fired_before:
+            fault_kit.disarm(self.root)  # no write happened (D had all of it cached)
+            self.tally.late_armed -= 1
+        self._after(fault)
+        self._count(picks, out, fault)
+        self.log(f"  layer-wise wave of {n} ({fault}) in {time.perf_counter() - t0:.1f} s")
+
+    def _count(self, picks: list[int], out: list[dict[str, Any]] | None, fault: str) -> None:
+        """D's answers against the single instance's, and their times."""
         for i, r in zip(picks, out or (), strict=False):
             self.tally.requests += 1
             self.tally.times.append(r["total_s"])
@@ -144,20 +221,19 @@ class VllmSoak:
                 self.tally.exact += 1
             else:
                 self.tally.mismatches.append({"prompt": i, "fault": fault, "d": r["token_ids"]})
-        if fault == "late_write":
-            landed = len(fault_kit.fired(self.root)) - fired_before
-            if landed == 0:  # no transfer of that kind happened (D had all of it cached)
-                fault_kit.disarm(self.root)
-                self.tally.late_armed -= 1
+
+    def _after(self, fault: str) -> None:
+        """Start again the engine the fault killed."""
         if fault in ("kill_p", "kill_d"):
             role = "kv_producer" if fault == "kill_p" else "kv_consumer"
             if role == "kv_producer":
+                self.p.kill()
                 self.p = self._start(role)
+                self.address = None  # new ports: learnt again
             else:
                 self.d.kill()
                 self.d = self._start(role)
             self.tally.restarts[role] += 1
-        self.log(f"  wave of {n} ({fault}) in {time.perf_counter() - t0:.1f} s")
 
     def _disturber(self, fault: str) -> threading.Thread | None:
         if fault not in ("freeze_p", "freeze_d", "stutter_p", "stutter_d", "kill_p", "kill_d"):
@@ -257,6 +333,7 @@ def run(
         "d_failed": sum(not o["ok"] for o in d_out),
         "verify_failed": sum(o["verify_failed"] for o in d_out),
         "late_armed": t.late_armed,
+        "layerwise_waves": t.layerwise_waves,
         "late_landed": len(fired),
         "max_fence_s": max((o["fence_s"] for o in seen), default=0.0),
         "over_bound": t.over_bound,

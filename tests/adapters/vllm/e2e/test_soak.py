@@ -1,7 +1,7 @@
 """The vLLM soak's short version (``make soak`` runs the long one for each transport).
 
 Real prefill and decode vLLM engines under random faults (freeze or kill P or D, a late write
-after a failed transfer) and one CPU hog: every answer equals the single instance's, every armed
+after a failed transfer), some waves layer-wise (P and D at once, P streaming), and one CPU hog: every answer equals the single instance's, every armed
 late write landed without changing one, and no KV block is left held at the end.
 """
 
@@ -30,4 +30,5 @@ def test_short_vllm_soak(
     assert set(row["faults"]) == set(FAULTS)  # every kind of fault was injected
     assert row["late_landed"] >= 1  # a late write really landed in D's blocks
     assert row["d_failed"] >= 1 and row["d_loaded"] >= 1  # both outcomes happened
+    assert row["layerwise_waves"] >= 1  # the concurrent dispatch ran under the faults too
     assert problems(row) == []
