@@ -50,6 +50,8 @@ class Stream:
     #: why a write could not be submitted: the push then fails, fenced
     failed: str = ""
     nbytes: int = 0
+    #: the ids object the plan was last checked against (a step hands the same one per layer)
+    _src_obj: object = field(default=None, repr=False)
 
     def write(
         self,
@@ -63,8 +65,11 @@ class Stream:
         Plans once per request: again only if P's block ids changed (then every layer is sent
         again from the new ids, which a later write would overwrite with the same bytes anyway).
         """
+        if self.plan is not None and src_ids is self._src_obj:
+            return self._submit(ctx, layers)  # the same step's ids: the same plan
         groups = [g for g in src_ids if g in dst_ids]
         mine = {g: list(src_ids[g]) for g in groups}
+        self._src_obj = src_ids
         if self.plan is None or mine != self.src_ids:
             if self.plan is not None:
                 log.warning("stream of a request: prefill's block ids changed; sending again")
@@ -76,6 +81,9 @@ class Stream:
                 by_layer=True,
             )
             self.src_ids, self.sent = mine, set()
+        return self._submit(ctx, layers)
+
+    def _submit(self, ctx: PlaneContext, layers: list[str]) -> int:
         if self.plan is None:
             return 0
         new = [name for name in layers if name not in self.sent and name in self.plan.layers]
