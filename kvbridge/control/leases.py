@@ -542,7 +542,8 @@ class Leases:
                 # D digests its whole plan: the same descriptors, not the cut by layer.
                 whole = plan_tp_pair(ctx.layout, remote.layout, src_ids, block_ids)
                 value = plan_digest(whole, "src", check, rid) if whole is not None else None
-            done = PushDone(rid, True, "", stats.figures(), digest=value)
+            source = dict(src_ids) if value is not None else None
+            done = PushDone(rid, True, "", stats.figures(), digest=value, source_block_ids=source)
             ok, reason = True, "pushed to decode"
         except Exception as err:
             ok, reason = False, str(err)

@@ -433,9 +433,11 @@ class Loads:
         try:
             if part.remote is None:
                 raise KvbridgeError("no handshake with prefill to plan the check with")
-            plan = plan_tp_pair(
-                part.remote.layout, ctx.layout, pending.params.block_ids, pending.block_ids
-            )
+            source = pending.params.block_ids
+            if not source and body.source_block_ids is not None:
+                # The concurrent dispatch: D learns P's ids only now, from P.
+                source = checked_ids(part.remote.layout, body.source_block_ids, "source")
+            plan = plan_tp_pair(part.remote.layout, ctx.layout, source, pending.block_ids)
             mine = None
             if plan is not None:
                 mine = plan_digest(plan, "dst", ctx.verify, rid)

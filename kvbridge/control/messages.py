@@ -14,9 +14,9 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
-#: 4: ``TransferFigures.streamed_nbytes`` (layer-wise push). 3: D's requests carry the request's
-#: capability ``token``; ``AuthRefused`` (2: ``PushDone``
-#: carries its figures as one ``TransferFigures``; 1: six fields of its own)
+#: 4: ``TransferFigures.streamed_nbytes``, ``PushDone.source_block_ids`` (layer-wise push).
+#: 3: D's requests carry the request's capability ``token``; ``AuthRefused``. 2: ``PushDone``
+#: carries its figures as one ``TransferFigures``; 1: six fields of its own.
 PROTOCOL_VERSION = 4
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -155,6 +155,9 @@ class PushDone(Message, tag="push_done"):
     figures: TransferFigures = msgspec.field(default_factory=TransferFigures)
     #: digest of the bytes written, when the push request asked for a check
     digest: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    #: with a digest: P's block ids it wrote from, which D plans its check with when it never
+    #: had them (the concurrent dispatch: D asked before P computed the request)
+    source_block_ids: BlockIds | None = None
 
     @property
     def unproven(self) -> bool:

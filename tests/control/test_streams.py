@@ -69,9 +69,11 @@ def stream_until_written(p: EngineProcess, rid: str, token: str, ids, layers) ->
         time.sleep(0.05)
 
 
-def test_layers_streamed_before_publish_land_exactly(engines, transport):
+@pytest.mark.parametrize("verify", ["off", "full"])
+def test_layers_streamed_before_publish_land_exactly(engines, transport, verify):
+    # verify=full: D checks P's digest of what it wrote, planned with P's ids from PushDone
     p = engines("prefill", transport, seed=61, num_blocks=512)
-    d = engines("decode", transport, seed=62, num_blocks=512)
+    d = engines("decode", transport, seed=62, num_blocks=512, verify=verify)
     p_ids = BlockAllocator(p.layout, 1).request(TOKENS)
     d_ids = BlockAllocator(d.layout, 2).request(TOKENS)
     early_push(p, d, "s", d_ids, transport)
