@@ -593,6 +593,18 @@ def _rows_are_merged(
     )
 
 
+def _group_stats(dst: GroupRegions, dst_ids: IdArray, part: _GroupDescriptors) -> GroupPlanStats:
+    """What one group contributes to a plan (before the merge across groups)."""
+    return GroupPlanStats(
+        dst.group.index,
+        dst.group.kind,
+        len(dst.regions),
+        int(dst_ids.size),
+        part.count,
+        int(part.lengths.sum()),
+    )
+
+
 def _plan_pairs(
     pairs: list[_GroupPair],
     merge: bool,
@@ -611,16 +623,7 @@ def _plan_pairs(
     for sg, dg, s_ids, d_ids in pairs:
         part = _plan_group(sg, dg, s_ids, d_ids, collapse=merge, sort_runs=sort_runs)
         parts.append(part)
-        stats.append(
-            GroupPlanStats(
-                dg.group.index,
-                dg.group.kind,
-                len(dg.regions),
-                int(d_ids.size),
-                part.count,
-                int(part.lengths.sum()),
-            )
-        )
+        stats.append(_group_stats(dg, d_ids, part))
     if parts:
         # Addresses are computed in int64 (numpy's index type) and reinterpreted, not copied.
         # One group's arrays need no concatenation (a copy), unless they are read-only views.
@@ -671,16 +674,7 @@ def _plan_layered(pairs: list[_GroupPair], merge: bool) -> tuple[TransferPlan, I
         per_tensor = size // len(layers) if layers else 0
         parts.append(part)
         tags.append(np.repeat(codes, per_tensor))
-        stats.append(
-            GroupPlanStats(
-                dg.group.index,
-                dg.group.kind,
-                len(dg.regions),
-                int(d_ids.size),
-                part.count,
-                int(part.lengths.sum()),
-            )
-        )
+        stats.append(_group_stats(dg, d_ids, part))
     if parts:
         s, d, n, t = (
             np.concatenate(arrays)

@@ -38,10 +38,10 @@ def paged_ids(engine: EngineProcess, ids: dict[int, list[int]]) -> dict[int, lis
     return {g: b for g, b in ids.items() if kinds[g] is not GroupKind.STATE}
 
 
-def early_push(p: EngineProcess, d: EngineProcess, rid: str, d_ids, transport: str) -> None:
-    """D asks P for a push of a request P has not computed (the concurrent dispatch): it knows
-    P's address and the request's token, not P's block ids."""
-    params: dict[str, Any] = {
+def layerwise_params(p: EngineProcess, rid: str, transport: str) -> dict[str, Any]:
+    """D's parameters in the concurrent dispatch: P's address and the request's token, not P's
+    block ids."""
+    return {
         "request_id": rid,
         "engine_id": p.info["engine_id"],
         "endpoint": p.info["endpoint"],
@@ -50,7 +50,13 @@ def early_push(p: EngineProcess, d: EngineProcess, rid: str, d_ids, transport: s
         "transport": transport,
         "mode": "push",
         "token": TOKEN,
+        "layerwise": True,
     }
+
+
+def early_push(p: EngineProcess, d: EngineProcess, rid: str, d_ids, transport: str) -> None:
+    """D asks P for a push of a request P has not computed (the concurrent dispatch)."""
+    params = layerwise_params(p, rid, transport)
     assert d.call(cmd="push", params=params, block_ids=d_ids) == {"started": True}
     deadline = time.monotonic() + 30
     while rid not in p.call(cmd="pending_push"):
@@ -164,16 +170,7 @@ def test_an_abort_mid_stream_ends_the_load_after_the_fence(engines, transport):
     early_push(p, d, "s", d_ids, transport)
     layers, paged = paged_layers(p), paged_ids(p, p_ids)
     assert stream_until_written(p, "s", TOKEN, paged, layers[:1]) > 0
-    params = {
-        "request_id": "s",
-        "engine_id": p.info["engine_id"],
-        "endpoint": p.info["endpoint"],
-        "block_ids": {},
-        "num_tokens": TOKENS,
-        "transport": transport,
-        "mode": "push",
-        "token": TOKEN,
-    }
+    params = layerwise_params(p, "s", transport)
     d.call(cmd="abort", params=params, reason="client went away")
     out = d.call(cmd="wait", request_id="s", timeout=60)
     assert not out["ok"]
@@ -221,16 +218,7 @@ def test_a_push_asked_after_the_withdrawal_is_refused(engines, transport):
     d = engines("decode", transport, seed=74, num_blocks=512, timeout=60, lease=120)
     p.call(cmd="withdraw", request_id="s", token=TOKEN, reason="prefill declined: hold limit")
     d_ids = BlockAllocator(d.layout, 13).request(TOKENS)
-    params = {
-        "request_id": "s",
-        "engine_id": p.info["engine_id"],
-        "endpoint": p.info["endpoint"],
-        "block_ids": {},
-        "num_tokens": TOKENS,
-        "transport": transport,
-        "mode": "push",
-        "token": TOKEN,
-    }
+    params = layerwise_params(p, "s", transport)
     d.call(cmd="push", params=params, block_ids=d_ids)
     out = d.call(cmd="wait", request_id="s", timeout=30)
     assert not out["ok"] and "withdrawn" in out["reason"], out
