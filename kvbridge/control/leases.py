@@ -230,13 +230,14 @@ class Leases:
                 continue
             with self._lock:
                 stream = self._streams.setdefault(key, Stream(remote))
-                if stream.failed:
+            with stream.lock:  # the push (or the end) taking it over waits for this write
+                if stream.failed or stream.closed:
                     continue
-            try:
-                submitted += stream.write(ctx, ids, push.block_ids, layers)
-            except Exception as err:  # the push at publish fails, fenced with the rest
-                stream.failed = f"a layer-wise write could not start: {err}"
-                log.warning("request %s: %s", request_id, stream.failed)
+                try:
+                    submitted += stream.write(ctx, ids, push.block_ids, layers)
+                except Exception as err:  # the push at publish fails, fenced with the rest
+                    stream.failed = f"a layer-wise write could not start: {err}"
+                    log.warning("request %s: %s", request_id, stream.failed)
         return submitted
 
     @property
@@ -308,9 +309,7 @@ class Leases:
             stream = self._streams.get(key)
         if stream is None and tell is None:
             return
-        if stream is not None:
-            stream.release(self._ctx)
-        handles = stream.handles if stream is not None else []
+        handles = stream.release(self._ctx) if stream is not None else []
         rid, rank, token = key
 
         def fence() -> None:
@@ -514,7 +513,7 @@ class Leases:
         with self._lock:  # the layers written before publish, if P streamed them
             stream = self._streams.pop((rid, reader.rank, reader.params.token), None)
             self._stream_ids.pop(rid, None)
-        streamed = stream.handles if stream is not None else []
+        streamed = stream.take() if stream is not None else []
         try:
             if stream is not None and stream.failed:
                 raise TransportError(stream.failed)

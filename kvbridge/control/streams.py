@@ -17,6 +17,7 @@ outcome, so no byte lands in a block D got back.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,17 @@ class Stream:
     nbytes: int = 0
     #: the ids object the plan was last checked against (a step hands the same one per layer)
     _src_obj: object = field(default=None, repr=False)
+    #: held while writing and while the push (or the end) takes the stream over: a write
+    #: either lands in ``handles`` before the taker reads them or finds ``closed`` and does
+    #: nothing, so no write escapes the wait and the fence
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    closed: bool = False
+
+    def take(self) -> list[TransferHandle]:
+        """Close the stream to further writes and return every write it made."""
+        with self.lock:
+            self.closed = True
+            return list(self.handles)
 
     def write(
         self,
@@ -101,10 +113,13 @@ class Stream:
         self.nbytes += cut.nbytes
         return cut.nbytes
 
-    def release(self, ctx: PlaneContext) -> None:
-        """Stop every write still moving (an abort): the fence then waits for them to drain."""
-        for handle in self.handles:
+    def release(self, ctx: PlaneContext) -> list[TransferHandle]:
+        """Close the stream and stop every write still moving (an abort): the fence then waits
+        for them to drain. Returns them."""
+        handles = self.take()
+        for handle in handles:
             ctx.transport.release(handle)
+        return handles
 
 
 def fence_all(
