@@ -48,7 +48,6 @@ from kvbridge.control.requests import (
 )
 from kvbridge.control.streams import PushKey, Stream, fence_all
 from kvbridge.control.transfers import RankPart, Transfers, plan_digest
-from kvbridge.core.block_mapping import CheckedBlockIds
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
@@ -129,9 +128,6 @@ class Leases:
         # Layers written to D ranks before publish (``stream``), by the pending push's key;
         # kept until the push at publish takes them over, or fenced when it never comes.
         self._streams: dict[PushKey, Stream] = {}
-        # The last ids ``stream`` checked per request, with the object they came in (a step's
-        # layers share it); dropped when the request's push starts or its stream ends.
-        self._stream_ids: dict[str, tuple[object, CheckedBlockIds]] = {}
 
     def publish(
         self,
@@ -216,13 +212,6 @@ class Leases:
             ]
         if not asked:
             return 0
-        # The engine hands the same ids for every layer of a step: checked once per step.
-        cached = self._stream_ids.get(request_id)
-        if cached is not None and cached[0] is block_ids:
-            ids = cached[1]
-        else:
-            ids = checked_ids(ctx.layout, block_ids, "streamed")
-            self._stream_ids[request_id] = (block_ids, ids)
         submitted = 0
         for key, (remote, push, _) in asked:
             connected = remote.connected
@@ -234,7 +223,9 @@ class Leases:
                 if stream.failed or stream.closed:
                     continue
                 try:
-                    submitted += stream.write(ctx, ids, push.block_ids, layers)
+                    submitted += stream.write(ctx, block_ids, push.block_ids, layers)
+                except MessageError:  # the engine's ids do not fit: nothing was written
+                    raise
                 except Exception as err:  # the push at publish fails, fenced with the rest
                     stream.failed = f"a layer-wise write could not start: {err}"
                     log.warning("request %s: %s", request_id, stream.failed)
@@ -325,7 +316,6 @@ class Leases:
                 until = time.monotonic() + self._ctx.deadlines.remember
                 self._push_results[(rid, rank)] = (done, until, token)
                 self._streams.pop(key, None)
-                self._stream_ids.pop(rid, None)
             log.debug("request %s: stream to decode rank %d ended: %s", rid, rank, reason)
             if tell is not None:  # D waits for this push: it fails now, not at its deadline
                 self._deliver(tell, done)
@@ -512,7 +502,6 @@ class Leases:
         stats = RequestStats(queued_s=time.monotonic() - started)
         with self._lock:  # the layers written before publish, if P streamed them
             stream = self._streams.pop((rid, reader.rank, reader.params.token), None)
-            self._stream_ids.pop(rid, None)
         streamed = stream.take() if stream is not None else []
         try:
             if stream is not None and stream.failed:
@@ -539,7 +528,11 @@ class Leases:
             value = None
             if check is not Verify.OFF and plan is not None:
                 # D digests its whole plan: the same descriptors, not the cut by layer.
-                whole = plan_tp_pair(ctx.layout, remote.layout, src_ids, block_ids)
+                whole = (
+                    plan_tp_pair(ctx.layout, remote.layout, src_ids, block_ids)
+                    if stream is not None
+                    else plan
+                )
                 value = plan_digest(whole, "src", check, rid) if whole is not None else None
             source = dict(src_ids) if value is not None else None
             done = PushDone(rid, True, "", stats.figures(), digest=value, source_block_ids=source)

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.handshakes import RemoteEngine
-from kvbridge.control.requests import RequestStats
+from kvbridge.control.requests import RequestStats, checked_ids
 from kvbridge.control.transfers import Transfers
 from kvbridge.core.block_mapping import CheckedBlockIds
 from kvbridge.core.planning import TransferPlan
@@ -68,20 +68,23 @@ class Stream:
     def write(
         self,
         ctx: PlaneContext,
-        src_ids: CheckedBlockIds,
+        block_ids: Mapping[int, Any],
         dst_ids: Mapping[int, Any],
         layers: list[str],
     ) -> int:
         """Submit these layers' descriptors (those not sent yet); returns the bytes submitted.
 
-        Plans once per request: again only if P's block ids changed (then every layer is sent
-        again from the new ids, which a later write would overwrite with the same bytes anyway).
+        ``block_ids``: P's, as the engine hands them (checked here; ``MessageError`` before
+        anything is written when they do not fit the layout). Plans once per request: again
+        only if P's block ids changed (then every layer is sent again from the new ids, which a
+        later write would overwrite with the same bytes anyway).
         """
-        if self.plan is not None and src_ids is self._src_obj:
-            return self._submit(ctx, layers)  # the same step's ids: the same plan
+        if self.plan is not None and block_ids is self._src_obj:
+            return self._submit(ctx, layers)  # a step's layers share its ids: the same plan
+        src_ids = checked_ids(ctx.layout, block_ids, "streamed")
         groups = [g for g in src_ids if g in dst_ids]
         mine = {g: list(src_ids[g]) for g in groups}
-        self._src_obj = src_ids
+        self._src_obj = block_ids
         if self.plan is None or mine != self.src_ids:
             if self.plan is not None:
                 log.warning("stream of a request: prefill's block ids changed; sending again")
@@ -98,7 +101,8 @@ class Stream:
     def _submit(self, ctx: PlaneContext, layers: list[str]) -> int:
         if self.plan is None:
             return 0
-        new = [name for name in layers if name not in self.sent and name in self.plan.layers]
+        known = self.plan.layer_index
+        new = [name for name in layers if name not in self.sent and name in known]
         if not new:
             return 0
         self.sent.update(new)

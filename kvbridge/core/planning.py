@@ -76,6 +76,12 @@ class TransferPlan:
     def count(self) -> int:
         return int(self.lengths.shape[0])
 
+    @functools.cached_property
+    def layer_index(self) -> dict[str, int]:
+        """Each layer's position in ``layers`` (built once: a request's layers are cut one by
+        one while the engine computes them)."""
+        return {name: i for i, name in enumerate(self.layers)}
+
     def for_layers(self, names: Iterable[str]) -> TransferPlan:
         """The descriptors of these layers only (views where one layer is asked for).
 
@@ -84,7 +90,7 @@ class TransferPlan:
         """
         if self.layer_starts is None:
             raise PlanError("this plan was not made by_layer: plan_transfers(..., by_layer=True)")
-        index = {name: i for i, name in enumerate(self.layers)}
+        index = self.layer_index
         picked = sorted({index[n] for n in names if n in index})
         starts = self.layer_starts
         cuts = [slice(int(starts[i]), int(starts[i + 1])) for i in picked]
@@ -541,19 +547,17 @@ def plan_transfers(
         pairs.append((sg, dg, s_ids, d_ids))
     if by_layer:
         plan, extents = _plan_layered(pairs, merge)
-        if check and plan.count > 1 and not (extents is not None and _disjoint_extents(extents)):
-            _check_disjoint(plan.dst, plan.lengths, "destination")
-        return plan
-    plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)
-    if (
-        merge
-        and not disjoint
-        and plan.count > 1
-        and bool(np.any(plan.src[:-1] + plan.lengths[:-1] > plan.src[1:]))
-    ):
-        # Sources that overlap (two groups reading the same block) make the result depend on
-        # the order runs are merged in: redo it in plain emission order, as defined.
-        plan, extents, _ = _plan_pairs(pairs, merge, sort_runs=False)
+    else:
+        plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)
+        if (
+            merge
+            and not disjoint
+            and plan.count > 1
+            and bool(np.any(plan.src[:-1] + plan.lengths[:-1] > plan.src[1:]))
+        ):
+            # Sources that overlap (two groups reading the same block) make the result depend
+            # on the order runs are merged in: redo it in plain emission order, as defined.
+            plan, extents, _ = _plan_pairs(pairs, merge, sort_runs=False)
     if check and plan.count > 1 and not (extents is not None and _disjoint_extents(extents)):
         _check_disjoint(plan.dst, plan.lengths, "destination")
     return plan
@@ -591,6 +595,12 @@ def _rows_are_merged(
     return bool(np.all(starts_s >= end_s)) and not bool(
         np.any((starts_s == end_s) & (d[row_starts] == end_d))
     )
+
+
+def _extents_proof(parts: list[_GroupDescriptors]) -> IdArray | None:
+    """Every region's destination extent when each group could give one (else ``None``)."""
+    extents = [p.dst_extents for p in parts if p.dst_extents is not None]
+    return np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
 
 
 def _group_stats(dst: GroupRegions, dst_ids: IdArray, part: _GroupDescriptors) -> GroupPlanStats:
@@ -640,9 +650,8 @@ def _plan_pairs(
         if not disjoint:
             s_all, d_all, n_all = merge_descriptors(s_all, d_all, n_all)
     unmerged = sum(p.count for p in parts)
-    extents = [p.dst_extents for p in parts if p.dst_extents is not None]
-    proof = np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
-    return TransferPlan(s_all, d_all, n_all, unmerged, tuple(stats)), proof, disjoint
+    plan = TransferPlan(s_all, d_all, n_all, unmerged, tuple(stats))
+    return plan, _extents_proof(parts), disjoint
 
 
 def _tensor_layers(dst: GroupRegions) -> list[str]:
@@ -683,7 +692,7 @@ def _plan_layered(pairs: list[_GroupPair], merge: bool) -> tuple[TransferPlan, I
                 strict=True,
             )
         )
-        s, d, n = (a.astype(np.int64, copy=False).view(np.uint64) for a in (s, d, n))
+        s, d, n = (a.view(np.uint64) for a in (s, d, n))  # int64 addresses, reinterpreted
     else:
         s = d = n = np.empty(0, dtype=np.uint64)
         t = np.empty(0, dtype=np.int64)
@@ -698,7 +707,5 @@ def _plan_layered(pairs: list[_GroupPair], merge: bool) -> tuple[TransferPlan, I
             n = np.add.reduceat(n, keep).astype(np.uint64, copy=False)
     starts = np.searchsorted(t, np.arange(len(layer_index) + 1)).astype(np.int64)
     unmerged = sum(p.count for p in parts)
-    extents = [p.dst_extents for p in parts if p.dst_extents is not None]
-    proof = np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
     plan = TransferPlan(s, d, n, unmerged, tuple(stats), tuple(layer_index), starts)
-    return plan, proof
+    return plan, _extents_proof(parts)

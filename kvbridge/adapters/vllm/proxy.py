@@ -228,6 +228,13 @@ CLIENT_PARAMS = frozenset({"kvbridge_mode"})
 DISPATCHES = ("sequential", "concurrent")
 
 
+def checked_dispatch(dispatch: str) -> str:
+    """``dispatch`` if it is one of ``DISPATCHES``, else ``ValueError`` naming them."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, not {dispatch!r}")
+    return dispatch
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request P gets: one token, no streaming, asking P to publish its KV for D."""
     out = dict(body)
@@ -288,9 +295,7 @@ class Proxy:
     ) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode server")
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, not {dispatch!r}")
-        self.dispatch = dispatch
+        self.dispatch = checked_dispatch(dispatch)
         #: each P's side channel, from its first answer (the concurrent dispatch needs it)
         self.addresses: dict[str, dict[str, Any]] = {}
         self.prefill = [u.rstrip("/") for u in prefill]
@@ -563,8 +568,7 @@ def create_app(
     """
     if _MISSING is not None:
         raise ImportError(f"the P/D proxy needs the proxy extra: {INSTALL_HINT}") from _MISSING
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, not {dispatch!r}")
+    checked_dispatch(dispatch)  # before the app starts, not at its first request
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     http_timeout = httpx.Timeout(timeout, connect=connect_timeout)
     metrics = Metrics(prefill, decode)

@@ -14,18 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvbridge.adapters.vllm.layout import (
-    SPLIT_HEAD_KV,
-    SPLIT_OPAQUE,
-    build_layout_spec,
-    group_kind,
-)
+from kvbridge.adapters.vllm.layout import SPLIT_HEAD_KV, SPLIT_OPAQUE, build_layout_spec
 from kvbridge.adapters.vllm.options import Options
 from kvbridge.adapters.vllm.scheduler import LayerwiseStep, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.transpose import transpose_received
 from kvbridge.control.requests import Mode, TransferParams, rank_engine_id
-from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
 from kvbridge.core.registry import load_transport_class
 from kvbridge.core.transpose import Transpose
@@ -61,7 +55,6 @@ class ConnectorWorker:
         self._failed_now: set[str] = set()  # loads that could not even start
         self._stats = KVBridgeStats()
         self._unproven_seen: set[str] = set()  # loads held for good, already counted
-        self._paged_layers: set[str] = set()  # layers whose K/V stream (not recurrent state)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tp_rank, tp_size = _tp(self.vllm_config)
@@ -79,12 +72,6 @@ class ConnectorWorker:
         if model is not None and not getattr(model, "use_mla", False):
             total_heads = int(model.get_total_num_kv_heads())
         self._kv_caches = kv_caches
-        self._paged_layers = {
-            name
-            for group in self.kv_cache_config.kv_cache_groups
-            if group_kind(group.kv_cache_spec) is not GroupKind.STATE
-            for name in group.layer_names
-        }
         spec = build_layout_spec(
             self.kv_cache_config,
             kv_caches,
@@ -172,10 +159,11 @@ class ConnectorWorker:
 
     def stream_layer(self, layer_name: str, steps: list[LayerwiseStep]) -> None:
         """P, between two layers of the forward pass: write this layer of each request whose
-        prefill ends in this step to the decode ranks that asked for it. Never raises (the
-        forward pass goes on; a failed write fails the push at publish, fenced)."""
+        prefill ends in this step to the decode ranks that asked for it (a layer its plan lacks
+        writes nothing). Never raises (the forward pass goes on; a failed write fails the push
+        at publish, fenced)."""
         plane = self.plane
-        if plane is None or layer_name not in self._paged_layers:
+        if plane is None:
             return
         for step in steps:
             try:
