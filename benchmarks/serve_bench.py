@@ -100,6 +100,22 @@ def kvbridge_parts(connector: str) -> tuple[str, str]:
     return transport, mode or "pull"
 
 
+def api_server(model: Path, port: int, args: list[str]) -> list[str]:
+    """vLLM's OpenAI server on 127.0.0.1 (the ``vllm serve`` of the CPU wheel fails)."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+
+
 def start(
     connector: str, model: Path, work: Path, max_model_len: int = 1024
 ) -> tuple[list[Server], str]:
@@ -109,18 +125,7 @@ def start(
     args[args.index("--max-model-len") + 1] = str(max_model_len)
     servers = []
     if connector == "single":  # one instance on one core (as P prefills), no connector: the limit
-        argv = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(http_d),
-            *args,
-        ]
+        argv = api_server(model, http_d, args)
         servers.append(Server("single", argv, work / "single.log", _env("0")))
         wait_healthy(servers, f"http://127.0.0.1:{http_d}/health", time.perf_counter() + 300)
         return servers, f"http://127.0.0.1:{http_d}"
@@ -157,20 +162,7 @@ def start(
             env = _env(
                 core, VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(side)
             )
-            argv = [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(http),
-                "--kv-transfer-config",
-                config,
-                *args,
-            ]
+            argv = api_server(model, http, ["--kv-transfer-config", config, *args])
             servers.append(Server(name, argv, work / f"{connector}-{name}.log", env))
     router_env = _env(
         None,

@@ -18,17 +18,13 @@ from kvbridge.core.errors import PlanError
 
 from .layouts import Arena, apply_plan
 from .reference import Refused, minimum_descriptor_count, reference_copy, reference_descriptors
-from .test_planning_properties import BASE_D, build, model, request, side
+from .test_planning_properties import BASE_D, draw_case
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_each_layer_cut_moves_exactly_that_layer_minimally(data):
-    groups = data.draw(model())
-    p_choice, d_choice = data.draw(side(groups)), data.draw(side(groups))
-    pa, da = Arena(), Arena(next=BASE_D)
-    p, d = build(groups, p_choice, pa), build(groups, d_choice, da)
-    p_ids, d_ids = data.draw(request(groups, p_choice["num_blocks"], d_choice["num_blocks"]))
+    p, d, pa, da, p_ids, d_ids = draw_case(data)
     try:
         reference = reference_descriptors(p, d, p_ids, d_ids)
     except Refused:

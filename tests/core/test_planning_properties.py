@@ -145,14 +145,21 @@ def request(draw, groups, p_blocks, d_blocks):
     return p_ids, d_ids
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_plan_matches_reference_or_both_refuse_stays_in_memory_and_is_minimal(data):
+def draw_case(data):
+    """A random model, both sides' layouts over their arenas, and a request's block ids:
+    ``(p, d, pa, da, p_ids, d_ids)``."""
     groups = data.draw(model())
     p_choice, d_choice = data.draw(side(groups)), data.draw(side(groups))
     pa, da = Arena(), Arena(next=BASE_D)
     p, d = build(groups, p_choice, pa), build(groups, d_choice, da)
     p_ids, d_ids = data.draw(request(groups, p_choice["num_blocks"], d_choice["num_blocks"]))
+    return p, d, pa, da, p_ids, d_ids
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_plan_matches_reference_or_both_refuse_stays_in_memory_and_is_minimal(data):
+    p, d, pa, da, p_ids, d_ids = draw_case(data)
     try:
         reference = reference_descriptors(p, d, p_ids, d_ids)
     except Refused as why:

@@ -125,34 +125,18 @@ class VllmSoak:
         ]
         pre = self.p.generate_many(prefill)
         self.tally.faults[fault] += 1
-        fired_before = len(fault_kit.fired(self.root))
-        if fault == "late_write":
-            op = "read" if modes[0] == "pull" else "write"
-            fault_kit.arm(self.root, op, self.rng.uniform(0, 50), self.unfenced)
-            self.tally.late_armed += 1
+        fired_before = self._arm_late(fault, "read" if modes[0] == "pull" else "write")
         timer = self._disturber(fault)
         decode = [
             (self.ref.prompts[i], MAX_TOKENS, dict(r["kv_transfer_params"]), False)
             for i, r in zip(picks, pre, strict=True)
         ]
         t0 = time.perf_counter()
-        try:
-            out = self.d.generate_many(decode)
-        except (EOFError, OSError, RuntimeError, TimeoutError) as err:
-            if fault != "kill_d":
-                raise
-            self.log(f"  D killed with {n} requests in it ({type(err).__name__})")
-            self.tally.requests += n
-            self.tally.lost_with_d += n
-            out = None
+        out = self._decoded(lambda: self.d.generate_many(decode), fault, n)
         if timer is not None:
             timer.join()
         self._count(picks, out, fault)
-        if fault == "late_write":
-            landed = len(fault_kit.fired(self.root)) - fired_before
-            if landed == 0:  # no transfer of that kind happened (D had all of it cached)
-                fault_kit.disarm(self.root)
-                self.tally.late_armed -= 1
+        self._settle_late(fault, fired_before)
         self._after(fault)
         self.log(f"  wave of {n} ({fault}) in {time.perf_counter() - t0:.1f} s")
 
@@ -171,13 +155,9 @@ class VllmSoak:
         params = [concurrent_params(self.address) for _ in picks]
         self.tally.faults[fault] += 1
         self.tally.layerwise_waves += 1
-        fired_before = len(fault_kit.fired(self.root))
-        if fault == "late_write":
-            fault_kit.arm(self.root, "write", self.rng.uniform(0, 50), self.unfenced)
-            self.tally.late_armed += 1
+        fired_before = self._arm_late(fault, "write")
         t0 = time.perf_counter()
         timer = self._disturber(fault)
-        out = None
         with ThreadPoolExecutor(1) as pool:
             to_d = [
                 (self.ref.prompts[i], MAX_TOKENS, d, False)
@@ -194,22 +174,43 @@ class VllmSoak:
             except (EOFError, OSError, RuntimeError, TimeoutError):
                 if fault != "kill_p":
                     raise
-            try:
-                out = decoded.result(timeout=600)
-            except (EOFError, OSError, RuntimeError, TimeoutError) as err:
-                if fault != "kill_d":
-                    raise
-                self.log(f"  D killed with {n} layer-wise requests in it ({type(err).__name__})")
-                self.tally.requests += n
-                self.tally.lost_with_d += n
+            out = self._decoded(lambda: decoded.result(timeout=600), fault, n)
         if timer is not None:
             timer.join()
-        if fault == "late_write" and len(fault_kit.fired(self.root)) == fired_before:
-            fault_kit.disarm(self.root)  # no write happened (D had all of it cached)
-            self.tally.late_armed -= 1
+        self._settle_late(fault, fired_before)
         self._after(fault)
         self._count(picks, out, fault)
         self.log(f"  layer-wise wave of {n} ({fault}) in {time.perf_counter() - t0:.1f} s")
+
+    def _arm_late(self, fault: str, op: str) -> int:
+        """For ``late_write``: arm garbage landing after the wave's first ``op`` transfer fails.
+        Returns how many late writes had landed before."""
+        fired_before = len(fault_kit.fired(self.root))
+        if fault == "late_write":
+            fault_kit.arm(self.root, op, self.rng.uniform(0, 50), self.unfenced)
+            self.tally.late_armed += 1
+        return fired_before
+
+    def _settle_late(self, fault: str, fired_before: int) -> None:
+        """An armed late write that never fired (no transfer of that kind happened: D had all
+        of it cached) is disarmed and not counted."""
+        if fault == "late_write" and len(fault_kit.fired(self.root)) == fired_before:
+            fault_kit.disarm(self.root)
+            self.tally.late_armed -= 1
+
+    def _decoded(
+        self, decode: Callable[[], list[dict[str, Any]]], fault: str, n: int
+    ) -> list[dict[str, Any]] | None:
+        """D's answers to the wave, or ``None`` when the fault killed D with them in it."""
+        try:
+            return decode()
+        except (EOFError, OSError, RuntimeError, TimeoutError) as err:
+            if fault != "kill_d":
+                raise
+            self.log(f"  D killed with {n} requests in it ({type(err).__name__})")
+            self.tally.requests += n
+            self.tally.lost_with_d += n
+            return None
 
     def _count(self, picks: list[int], out: list[dict[str, Any]] | None, fault: str) -> None:
         """D's answers against the single instance's, and their times."""
