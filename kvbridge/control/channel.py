@@ -132,9 +132,10 @@ class Endpoint:
         return f"tcp://{_bracket(self.host)}:{self.port}"
 
     def close(self) -> None:
+        """Stop serving and free the port; a second call does nothing."""
         self._stop.set()
         self._thread.join(5)
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and self._wake_w != -1:
             self._socket.close()
             self._context.term()
             with self._wake_lock:
@@ -263,8 +264,10 @@ class Endpoint:
 class PeerClient:
     """A connection to one remote endpoint; ``request`` sends a message and waits for its reply.
 
-    Thread-safe (one call at a time per peer). The first call runs the challenge-response; a
-    timeout resets the socket so a late reply can never be taken for the next one.
+    Thread-safe (one call at a time per peer). The first call runs the challenge-response, and
+    runs it again, once, if the endpoint answers that it does not know us (it restarted at the
+    same address); a timeout resets the socket so a late reply can never be taken for the next
+    one.
     """
 
     def __init__(
@@ -316,27 +319,40 @@ class PeerClient:
             self._poller.register(self._monitor, zmq.POLLIN)
         return self._socket
 
-    def _refused(self) -> bool:
-        """Read the socket's pending events; True if a connect was refused while none is up."""
+    def _refusals(self, count: int) -> int:
+        """Read the socket's pending events: ``count`` plus the connects refused since, back to
+        0 once one succeeded."""
         assert self._monitor is not None
-        refused = False
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
-                self._up, refused = True, False
+                self._up, count = True, 0
             elif event == zmq.EVENT_DISCONNECTED:
                 self._up = False
             elif event == zmq.EVENT_CONNECT_RETRIED and not self._up:
-                refused = True
-        return refused
+                count += 1
+        return count
 
     def request(self, body: Message, timeout: float | None = None) -> Message:
         """Send ``body``; return the reply, raise ``ControlError`` if refused, or time out."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             try:
-                if not self._authenticated:
+                fresh = not self._authenticated
+                if fresh:
                     self._authenticate(deadline)
+                try:
+                    return self._call(body, deadline)
+                except ControlError as err:
+                    if fresh or err.code != "unauthenticated":
+                        raise
+                # The endpoint no longer knows our session although we authenticated: the
+                # engine restarted at this address and zmq reconnected underneath us, or it
+                # dropped the session from a full table. It refused before handling the
+                # request, so authenticating again and sending it once more is safe.
+                log.info("side channel: %s lost our session; authenticating again", self.address)
+                self._authenticated = False
+                self._authenticate(deadline)
                 return self._call(body, deadline)
             except (PeerTimeoutError, PeerRefusedError, ControlError):
                 self._reset()
@@ -371,13 +387,18 @@ class PeerClient:
 
     def _call(self, body: Message, deadline: float) -> Message:
         sock = self._connect()
+        # Events from before this call (retries while a restarting peer was down) say nothing
+        # about it; of the ones after, a single refusal may be a retry that started before the
+        # peer came back: two in a row (zmq retries every 100 ms) mean nothing listens now.
+        self._refusals(0)
+        refused = 0
         self._seq += 1
         seq = self._seq
         sock.send(encode(seq, body))
         while True:
             remaining = deadline - time.monotonic()
             ready = dict(self._poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
-            if self._monitor in ready and self._refused():
+            if self._monitor in ready and (refused := self._refusals(refused)) >= 2:
                 raise PeerRefusedError(
                     f"the engine at {self.address} refused the connection for "
                     f"{type(body).__name__} (nothing listens there: engine dead or not started)"

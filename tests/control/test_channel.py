@@ -67,3 +67,52 @@ def test_deferred_refusal_reaches_the_client_as_its_error(endpoint, asker):
     assert isinstance(err, ControlError) and err.code == "invalid", err
     # The endpoint keeps serving after a refused deferred request.
     assert isinstance(client("decode-2").request(Ping()), Ok)
+
+
+@pytest.fixture
+def restartable():
+    """An endpoint that can be restarted at its address, as a killed engine comes back."""
+    servers: list[Endpoint] = []
+
+    def start(name: str, secret: bytes, port: int = 0) -> Endpoint:
+        servers.append(Endpoint(name, lambda peer, body: Ok(), port=port, secret=secret))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+SECRET = b"s" * 32
+
+
+@pytest.mark.parametrize("secret", [SECRET, b"x" * 32], ids=["same secret", "another secret"])
+def test_an_engine_restarted_at_its_address_is_authenticated_again(restartable, secret):
+    """zmq reconnects the client's socket to the new engine, which has no session for it: the
+    client runs the challenge-response again (and trusts the engine only if it passes)."""
+    first = restartable("prefill-1", SECRET)
+    client = PeerClient(first.address, "decode", secret=SECRET, timeout=20)
+    try:
+        assert isinstance(client.request(Ping()), Ok) and client.remote_engine_id == "prefill-1"
+        first.close()
+        restartable("prefill-1-restarted", secret, port=first.port)
+        if secret == SECRET:
+            assert isinstance(client.request(Ping()), Ok)
+            assert client.remote_engine_id == "prefill-1-restarted"
+        else:
+            with pytest.raises(ControlError) as refused:
+                client.request(Ping())
+            assert refused.value.code == "auth_failed", refused.value
+    finally:
+        client.close()
+
+
+def test_a_client_authenticates_again_when_the_endpoint_dropped_its_session(restartable):
+    server = restartable("prefill", SECRET)
+    client = PeerClient(server.address, "decode", secret=SECRET, timeout=20)
+    try:
+        assert isinstance(client.request(Ping()), Ok)
+        server._sessions.clear()  # what a full session table does to its oldest entry
+        assert isinstance(client.request(Ping()), Ok)
+    finally:
+        client.close()

@@ -33,14 +33,17 @@ def test_two_prefills_two_decodes_behind_vllm_router(
     # prefill 1 was down included (sent again, as a client does, once it was back).
     flight = summary["in_flight"]
     assert flight["answered"] == IN_FLIGHT and not flight["mismatches"], (flight, tails)
+    # ... and prefill 1 died with requests in flight (what the phase is for).
+    assert flight["answered_before_kill"] < IN_FLIGHT, flight
 
     # D loads only what its prefix cache lacks: the yardstick moves the whole prompt; with
     # D holding its first PARTIAL_PREFIX tokens, the rest; held whole, its last block.
     edge = summary["edge"]
-    assert all(
-        r["match"]
-        for r in [*edge["repeated"], *(edge[k] for k in ("no_hit", "partial_hit", "full_hit"))]
-    ), (edge, tails)
+    every = [*edge["repeated"], *(edge[k] for k in ("no_hit", "partial_hit", "full_hit"))]
+    assert all(r["match"] for r in every), (edge, tails)
+    # No load failed: the first one after prefill 1's restart included (D's side channel to it
+    # authenticates again with the new engine at the old address).
+    assert not any(r["failed"] for r in every), (edge, tails)
     block = 32  # vllm_args' --block-size
     blocks = -(-edge["no_hit"]["prompt_len"] // block)
     block_bytes = edge["no_hit"]["bytes"] / blocks
