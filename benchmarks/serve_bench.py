@@ -55,6 +55,7 @@ from tests.adapters.vllm.e2e.serve_pd import (  # noqa: E402
     _env,
     deploy_vars,
     free_ports,
+    scrape,
     tail,
     vllm_args,
     wait_healthy,
@@ -118,8 +119,9 @@ def api_server(model: Path, port: int, args: list[str]) -> list[str]:
 
 def start(
     connector: str, model: Path, work: Path, max_model_len: int = 1024
-) -> tuple[list[Server], str]:
-    """P, D and the router in front for ``connector``: the servers and the URL clients use."""
+) -> tuple[list[Server], str, str]:
+    """P, D and the router in front for ``connector``: the servers, the URL clients use and
+    D's (whose ``/metrics`` tell when each request's last byte landed)."""
     http_p, http_d, http_r, side_p, side_d = free_ports(5)
     args = vllm_args("float32", hybrid=False)
     args[args.index("--max-model-len") + 1] = str(max_model_len)
@@ -128,7 +130,7 @@ def start(
         argv = api_server(model, http_d, args)
         servers.append(Server("single", argv, work / "single.log", _env("0")))
         wait_healthy(servers, f"http://127.0.0.1:{http_d}/health", time.perf_counter() + 300)
-        return servers, f"http://127.0.0.1:{http_d}"
+        return servers, f"http://127.0.0.1:{http_d}", f"http://127.0.0.1:{http_d}"
     layerwise = False
     if connector.startswith("kvbridge-"):
         transport, mode = kvbridge_parts(connector)
@@ -187,7 +189,7 @@ def start(
     deadline = time.perf_counter() + 300
     for port in (http_p, http_d):
         wait_healthy(servers, f"http://127.0.0.1:{port}/health", deadline)
-    return servers, f"http://127.0.0.1:{http_r}"
+    return servers, f"http://127.0.0.1:{http_r}", f"http://127.0.0.1:{http_d}"
 
 
 def bench(
@@ -253,6 +255,16 @@ def bench(
     return result
 
 
+#: D's histogram of the time from P's answer to the request's last byte landed (kvbridge's).
+LANDED = "vllm:kvbridge_landed_after_prefill_seconds"
+
+
+def landed_after(decode_url: str) -> tuple[float, float]:
+    """D's ``LANDED`` histogram so far: (sum of seconds, count)."""
+    m = scrape(decode_url)
+    return m.get(f"{LANDED}_sum", 0.0), m.get(f"{LANDED}_count", 0.0)
+
+
 COLUMNS = [
     ("TTFT p50", "p50_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "p50_tpot_ms"),
     ("TPOT p99", "p99_tpot_ms"), ("E2E p50", "p50_e2el_ms"), ("E2E p99", "p99_e2el_ms"),
@@ -262,12 +274,22 @@ COLUMNS = [
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per connector, prompt length and rate."""
     head = ["connector", "input", "rate (req/s)", *(f"{t} (ms)" for t, _ in COLUMNS)]
-    head += ["req/s", "failed"]
+    head += ["TTFT p50 / single", "last byte after P (ms)", "req/s", "failed"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    # The limit: one instance's p50 TTFT at the same prompt length and rate, when it ran.
+    single = {
+        (r.get("input_len"), r["rate"]): r["result"]["p50_ttft_ms"]
+        for r in rows
+        if r["connector"] == "single"
+    }
     for r in rows:
         cells = [r["connector"], str(r.get("input_len", ""))]
         cells.append("max" if math.isinf(r["rate"]) else f"{r['rate']:g}")
         cells += [f"{r['result'].get(key, float('nan')):.1f}" for _, key in COLUMNS]
+        limit = single.get((r.get("input_len"), r["rate"]))
+        cells.append(f"{r['result']['p50_ttft_ms'] / limit:.2f}" if limit else "")
+        landed = r.get("landed_after_ms")
+        cells.append(f"{landed:.1f}" if landed is not None else "")
         cells += [f"{r['result']['request_throughput']:.2f}", str(r["result"].get("failed", 0))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -326,13 +348,24 @@ def main(argv: list[str] | None = None) -> int:
         lens = a.input_lens or [a.input_len]
         max_len = max(1024, 2 ** math.ceil(math.log2(max(lens) + a.output_len + 1)))
         for connector in a.connectors:
-            servers, url = start(connector, model, work, max_len)
+            servers, url, decode_url = start(connector, model, work, max_len)
+            ours = connector.startswith("kvbridge-")
             try:
                 for input_len in lens:
                     for rate in a.rates:
                         out = work / f"{connector}-{input_len}-{rate:g}.json"
+                        before = landed_after(decode_url) if ours else (0.0, 0.0)
                         result = bench(url, model, rate, a, out, input_len)
-                        row = {"connector": connector, "input_len": input_len, "rate": rate}
+                        row: dict[str, Any] = {
+                            "connector": connector,
+                            "input_len": input_len,
+                            "rate": rate,
+                        }
+                        if ours:  # mean over the run's requests, from D's histogram
+                            after = landed_after(decode_url)
+                            count = after[1] - before[1]
+                            if count:
+                                row["landed_after_ms"] = (after[0] - before[0]) / count * 1e3
                         rows.append({**row, "result": result})
                         print(table(rows[-1:]).splitlines()[-1], flush=True)
             except Exception:

@@ -136,11 +136,14 @@ class Leases:
         num_tokens: int,
         mode: Mode,
         token: str | None = None,
+        published_at: float | None = None,
     ) -> TransferParams:
         """Hold a prefilled request's blocks under a lease; return what D needs to fetch them.
 
         ``token``: the request's capability (``TransferParams.token``), when the caller made
         it (a serving engine's scheduler, the same for every TP rank); a fresh one otherwise.
+        ``published_at``: when P answered the request (``TransferParams.published_at``), when
+        the caller stamped it (the scheduler, when the request finished); now otherwise.
         """
         ctx = self._ctx
         ids = checked_ids(ctx.layout, block_ids, "published")
@@ -153,6 +156,7 @@ class Leases:
             ctx.transport.name,
             Mode(mode),
             token=token or auth.new_token(),
+            published_at=time.time() if published_at is None else published_at,
         )
         token = params.token
         with self._lock:
@@ -524,6 +528,7 @@ class Leases:
                 transfers.move(TransferOp.WRITE, [(remote.engine_id, rest, reader)], stats)
             for written in streamed:  # every layer written before publish has landed
                 ctx.transport.wait(written)
+            stats.landed(reader.params)
             check = Verify(request.verify)
             value = None
             if check is not Verify.OFF and plan is not None:

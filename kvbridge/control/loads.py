@@ -610,6 +610,8 @@ class Loads:
                 reason = why if not reason or why in reason else f"{why} ({reason})"
             pending.stats.total_s = time.monotonic() - pending.started
             ok = ok and not pending.aborted
+            if ok and pending.params.mode is Mode.PULL:  # a push's P counted its own
+                pending.stats.landed(pending.params)
             outcome = RequestOutcome(request_id, ok, reason, pending.stats)
             if ok:
                 outcome.transposes = [

@@ -14,10 +14,11 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
+#: 5: ``TransferParams.published_at``, ``TransferFigures.landed_after_s``.
 #: 4: ``TransferFigures.streamed_nbytes``, ``PushDone.source_block_ids`` (layer-wise push).
 #: 3: D's requests carry the request's capability ``token``; ``AuthRefused``. 2: ``PushDone``
 #: carries its figures as one ``TransferFigures``; 1: six fields of its own.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -138,6 +139,8 @@ class TransferFigures(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     unproven: bool = False
     #: of ``nbytes``, what P wrote layer by layer before it published the request
     streamed_nbytes: int = 0
+    #: seconds from P's answer (``TransferParams.published_at``) to the push's last byte landed
+    landed_after_s: float = 0.0
 
 
 class PushDone(Message, tag="push_done"):

@@ -217,14 +217,16 @@ class ControlPlane:
         num_tokens: int,
         mode: Mode = Mode.PULL,
         token: str | None = None,
+        published_at: float | None = None,
     ) -> TransferParams:
         """Hold a prefilled request's blocks under a lease; return what D needs to fetch them.
 
         The params carry the request's capability ``token``: ``token`` when given (an engine's
         scheduler makes it, the same for every TP rank), else a fresh one. Only a D that sends
-        it back is served.
+        it back is served. ``published_at``: when this engine answered the request
+        (``time.time()``; now when not given), the start of ``RequestStats.landed_after_s``.
         """
-        return self._prefill.publish(request_id, block_ids, num_tokens, mode, token)
+        return self._prefill.publish(request_id, block_ids, num_tokens, mode, token, published_at)
 
     def unpublish(self, request_id: str) -> None:
         """Drop a lease without a transfer (the request was aborted on P)."""

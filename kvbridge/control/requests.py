@@ -63,6 +63,10 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: ``block_ids`` is empty and ``num_tokens`` unknown (0); D counts the tokens it loads from
     #: its own prompt, and P writes each layer as it is computed (``ControlPlane.stream``).
     layerwise: bool = False
+    #: P's wall clock (``time.time()``) when it answered the request: its forward pass for the
+    #: prompt ended and it published the blocks (0: not stamped). The start of
+    #: ``RequestStats.landed_after_s``.
+    published_at: float = 0.0
 
     @property
     def tp_size(self) -> int:
@@ -138,6 +142,16 @@ class RequestStats:
     unclaimed: bool = False
     #: of ``nbytes``, what P wrote layer by layer while it still computed the request (push)
     streamed_nbytes: int = 0
+    #: from P's answer (``TransferParams.published_at``) until the last byte landed in D: P's
+    #: clock for a push (its writes ended), D's for a pull (its reads, and its integrity check
+    #: when ``verify`` is on, ended); what the transfer
+    #: adds to D's time to first token after P's forward pass. 0 when P stamped no time.
+    landed_after_s: float = 0.0
+
+    def landed(self, params: TransferParams) -> None:
+        """The last byte landed now: ``landed_after_s`` from P's stamp, if it made one."""
+        if params.published_at:
+            self.landed_after_s = time.time() - params.published_at
 
     def figures(self) -> TransferFigures:
         """What this side's transfer moved and took, as P tells D (``PushDone``)."""
@@ -149,6 +163,7 @@ class RequestStats:
             transfer_s=self.transfer_s,
             unproven=self.unproven,
             streamed_nbytes=self.streamed_nbytes,
+            landed_after_s=self.landed_after_s,
         )
 
     def add_pushed(self, figures: TransferFigures) -> None:
@@ -161,6 +176,7 @@ class RequestStats:
         self.transfer_s = max(self.transfer_s, figures.transfer_s)
         self.unproven = self.unproven or figures.unproven
         self.streamed_nbytes += figures.streamed_nbytes
+        self.landed_after_s = max(self.landed_after_s, figures.landed_after_s)
 
 
 @dataclass

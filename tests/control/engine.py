@@ -17,6 +17,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -503,8 +504,10 @@ def run_requests(
     prefix: str = "r",
 ) -> list[tuple[dict[int, list[int]], dict[int, list[int]]]]:
     """Publish ``count`` requests of mixed sizes on P, load them all at once on D; the block
-    ids of each request on both sides, for checking the bytes."""
+    ids of each request on both sides, for checking the bytes. Each load's ``landed_after_s``
+    (from P's publish to the last byte landed) lies within what the test saw of it."""
     pairs, params = [], []
+    first_publish = time.time()
     for i in range(count):
         tokens = rng.randint(1, 300)
         p_ids, d_ids = p_alloc.request(tokens), d_alloc.request(tokens)
@@ -518,4 +521,7 @@ def run_requests(
     for prm in params:
         out = d.call(cmd="wait", request_id=prm["request_id"], timeout=60)
         assert out["ok"], out["reason"]
+        landed = out["stats"]["landed_after_s"]
+        assert prm["published_at"] >= first_publish, prm
+        assert 0 < landed <= time.time() - prm["published_at"], (landed, mode)
     return pairs

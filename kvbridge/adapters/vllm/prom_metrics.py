@@ -31,6 +31,9 @@ BYTES_BUCKETS = [float(2**e) for e in range(10, 35, 2)]
 #: Descriptors per transfer (after merging): 1 to 1 Mi, each 4 times the last.
 DESCRIPTOR_BUCKETS = [float(4**e) for e in range(11)]
 
+#: Series where 0 means "nothing to measure": no handshake (a known peer), no time stamped by P.
+UNMEASURED_AT_ZERO = frozenset({"handshake_s", "landed_after_s"})
+
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """kvbridge's histograms and counters; ``observe`` records one step's ``KVBridgeStats.data``."""
@@ -43,7 +46,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        # (data key, per-engine histogram); handshake_s of 0 (a known peer) is not observed.
+        # (data key, per-engine histogram); UNMEASURED_AT_ZERO values of 0 are not observed.
         self._histograms: list[tuple[str, dict[int, Any]]] = [
             (
                 "transfer_s",
@@ -79,6 +82,17 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                     "layer by layer while it was still computing the request (layer-wise push; "
                     "0 for the others).",
                     [0.0, *BYTES_BUCKETS],
+                ),
+            ),
+            (
+                "landed_after_s",
+                self._histogram(
+                    "vllm:kvbridge_landed_after_prefill_seconds",
+                    "Time from the prefill instance's answer (its forward pass for the prompt "
+                    "ended) until the last byte of the request's KV cache landed in the decode "
+                    "instance (a push: the prefill's clock; a pull: the decode's, so across hosts "
+                    "it holds their clock offset). Layer-wise push shortens it.",
+                    TIME_BUCKETS,
                 ),
             ),
             (
@@ -214,7 +228,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         for key, histogram in self._histograms:
             child = histogram[engine_idx]
             for value in data.get(key) or ():
-                if key == "handshake_s" and not value > 0:
+                if key in UNMEASURED_AT_ZERO and value == 0:
                     continue
                 child.observe(value)
         for key, counter in self._counters:

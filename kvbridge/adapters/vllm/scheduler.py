@@ -13,6 +13,7 @@ vLLM's P/D convention: P's request carries ``{"do_remote_decode": True}``; P ret
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,8 @@ class PublishRequest:
     token: str = ""
     #: the id the plane knows it by, when not vLLM's (the router's, in the concurrent dispatch)
     transfer_id: str = ""
+    #: when the scheduler finished the prefill (``TransferParams.published_at``)
+    published_at: float = 0.0
 
     @property
     def plane_id(self) -> str:
@@ -344,10 +347,17 @@ class SchedulerState:
             mode,
             self.ranks if len(self.ranks) > 1 else [],
             token=token,
+            published_at=time.time(),
         )
         self._plan.publishes.append(
             PublishRequest(
-                request.request_id, ids, num_tokens, mode.value, transfer.token, transfer_id
+                request.request_id,
+                ids,
+                num_tokens,
+                mode.value,
+                transfer.token,
+                transfer_id,
+                transfer.published_at,
             )
         )
         self.sending.add(request.request_id)

@@ -24,6 +24,8 @@ SERIES = (
     "handshake_s",
     # of ``nbytes``, what P wrote layer by layer while still computing (layer-wise push)
     "streamed_nbytes",
+    # from P's answer to the last byte landed in D (0: P stamped no time)
+    "landed_after_s",
 )
 
 
@@ -148,4 +150,7 @@ class KVBridgeStats(KVConnectorStats):
         streamed = float(np.sum(self.data["streamed_nbytes"]))
         if streamed:
             out["streamed_MiB"] = round(streamed / 2**20, 3)
+        landed = [s for s in self.data["landed_after_s"] if s != 0]
+        if landed:
+            out["avg_landed_after_prefill_ms"] = round(float(np.mean(landed)) * 1e3, 3)
         return out

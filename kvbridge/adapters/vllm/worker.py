@@ -128,7 +128,12 @@ class ConnectorWorker:
         for pub in plan.publishes:
             try:
                 plane.publish(
-                    pub.plane_id, pub.block_ids, pub.num_tokens, Mode(pub.mode), pub.token or None
+                    pub.plane_id,
+                    pub.block_ids,
+                    pub.num_tokens,
+                    Mode(pub.mode),
+                    pub.token or None,
+                    pub.published_at or None,
                 )
                 self._sending[pub.plane_id] = pub.request_id
             except Exception as err:  # blocks must still be freed, or P leaks them

@@ -106,21 +106,24 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def transfer(seconds: float, nbytes: int, descriptors: int, handshake: float = 0.0) -> RequestStats:
+def transfer(
+    seconds: float, nbytes: int, descriptors: int, handshake: float = 0.0, landed: float = 0.0
+) -> RequestStats:
     return RequestStats(
         transfer_s=seconds,
         nbytes=nbytes,
         descriptors=descriptors,
         descriptors_before_merge=2 * descriptors,
         handshake_s=handshake,
+        landed_after_s=landed,
     )
 
 
 def two_workers() -> dict[str, Any]:
     """One step of an engine with two TP workers, aggregated as vLLM's output aggregator does."""
     w0, w1 = KVBridgeStats(), KVBridgeStats()
-    w0.record(transfer(0.004, 3 * KiB, 1, handshake=0.15))
-    w0.record(transfer(0.02, 5 * MiB, 40))
+    w0.record(transfer(0.004, 3 * KiB, 1, handshake=0.15, landed=0.03))
+    w0.record(transfer(0.02, 5 * MiB, 40))  # P stamped no time: no landed_after_s
     w1.record(transfer(3.0, 2 * GiB, 5000))
     w1.record_failure(RequestStats(fence_s=0.2))
     w1.record_unproven(1)
@@ -177,6 +180,9 @@ def test_prometheus_logger_exports_one_step(vllm_config: VllmConfig) -> None:
     assert one("vllm:kvbridge_handshake_time_seconds_bucket", le=0.1) == 0
     assert one("vllm:kvbridge_fence_time_seconds_count") == 1
     assert one("vllm:kvbridge_fence_time_seconds_sum") == pytest.approx(0.2)
+    # From P's answer to the last byte: only the transfer whose P stamped its answer.
+    assert one("vllm:kvbridge_landed_after_prefill_seconds_count") == 1
+    assert one("vllm:kvbridge_landed_after_prefill_seconds_sum") == pytest.approx(0.03)
     counters = {
         "vllm:kvbridge_transfers_total": 3,
         "vllm:kvbridge_transfer_failures_total": 3,

@@ -193,6 +193,7 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     engine = llm.llm_engine
     hits_before, bytes_before = _local_prefix_hits(llm), _loaded_bytes(llm)
     streamed_before = _streamed_bytes(llm)
+    landed_before = _landed_after(llm)
     t0 = time.perf_counter()
     rids = []
     for k, (ids, max_tokens, params, top2) in enumerate(requests):
@@ -228,9 +229,12 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     # The stats reach the metrics with the step that reports the load done: all have come.
     moved = _loaded_bytes(llm) - bytes_before
     streamed = _streamed_bytes(llm) - streamed_before
+    landed = [now - then for now, then in zip(_landed_after(llm), landed_before, strict=True)]
     results = [_result(final[r], first.get(r), done[r], t0, hits, moved) for r in rids]
     for r in results:
         r["streamed_bytes"] = streamed
+        # mean over the call's loads: from P's answer to the last byte landed
+        r["landed_after_s"] = landed[0] / landed[1] if landed[1] else None
     return results
 
 
@@ -293,6 +297,13 @@ def _pending_pushes(worker: Any) -> list[str]:
 def _streamed_bytes(llm: Any) -> float:
     """Bytes P wrote layer by layer into this engine so far (layer-wise push)."""
     return float(sum(m.sum for m in llm.get_metrics() if m.name == "vllm:kvbridge_streamed_bytes"))  # type: ignore[attr-defined]
+
+
+def _landed_after(llm: Any) -> tuple[float, float]:
+    """This engine's histogram of the time from P's answer to a load's last byte: (sum, count)."""
+    name = "vllm:kvbridge_landed_after_prefill_seconds"
+    found = [m for m in llm.get_metrics() if m.name == name]
+    return float(sum(m.sum for m in found)), float(sum(m.count for m in found))
 
 
 def _local_prefix_hits(llm: Any) -> int:
@@ -771,6 +782,7 @@ def run_pair(
                     else dec["num_cached_tokens"],
                     "d_loaded_bytes": dec["loaded_bytes"],
                     "d_streamed_bytes": dec["streamed_bytes"],
+                    "d_landed_after_s": dec["landed_after_s"],
                 }
                 results.append(r)
                 log(

@@ -57,6 +57,14 @@ def check_layerwise(name: str, rows: list[dict]) -> None:
             assert streamed == loaded, (r["prompt"], streamed, loaded)
 
 
+def check_landed(rows: list[dict]) -> None:
+    """Every load P stamped (all of kvbridge's: P's scheduler stamps its answer) reports when
+    its last byte landed after P's answer, through vLLM's metrics hook."""
+    for r in rows:
+        if r["d_loaded_bytes"]:
+            assert r["d_landed_after_s"] and r["d_landed_after_s"] > 0, (r["mode"], r["prompt"])
+
+
 def cpu_bf16_isa() -> str:
     """The CPU's bf16 instructions, recorded with each run since vLLM's CPU bf16 kernels round
     differently with each: ``"amx"`` (bf16 tiles), ``"avx512_bf16"`` or ``"none"``."""
@@ -99,6 +107,7 @@ def test_pd_matches_single_instance(
         if ref.case.tie == 0:
             assert all(r["match"] == "exact" for r in rows)
     check_layerwise(name, summary["results"])
+    check_landed(summary["results"])
     repeats = [
         (r["mode"], r["d_cached"], r["p_cached"], r["d_loaded_bytes"])
         for r in summary["results"]

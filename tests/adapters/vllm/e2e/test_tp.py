@@ -19,7 +19,7 @@ import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import Reference, run_pair
-from tests.adapters.vllm.e2e.test_pd import RESULTS, check_layerwise
+from tests.adapters.vllm.e2e.test_pd import RESULTS, check_landed, check_layerwise
 
 pytestmark = E2E
 
@@ -87,6 +87,7 @@ def test_tp_pair_matches_single_instance_at_d_tp(
     rows = summary["results"]
     assert len(rows) == 2 * len(ref.prompts)
     check_layerwise(name, rows)
+    check_landed(rows)
     bad = [(r["prompt"], r["d_tokens"], r["ref_tokens"]) for r in rows if r["match"] == "mismatch"]
     assert not bad, f"D (TP {tp_d}) differs from the single instance at TP {tp_d}: {bad}"
     if ref.case.tie == 0:
