@@ -20,12 +20,15 @@ sweeps the prompt length; with ``--max-concurrency 1`` each TTFT is one request'
 ``--kv-heavy`` serves a model shape with many KV heads on a narrow hidden size (64 KiB of KV
 per token for about 5 MFLOP of prefill), so the transfer is a visible part of the prefill.
 
-    .venv/bin/python benchmarks/serve_bench.py --kv-heavy --input-lens 1024 2048 4096 \
-        --rates inf --max-concurrency 1 --num-prompts 6 --connectors single \
-        kvbridge-mooncake kvbridge-mooncake-push kvbridge-mooncake-layerwise vllm-nixl
+    .venv/bin/python benchmarks/serve_bench.py --kv-heavy --input-lens 1024 2048 4096 8192 \
+        --rates inf --max-concurrency 1 --num-prompts 4 --output-len 16 --kv-cache-gib 4 \
+        --connectors single kvbridge-mooncake kvbridge-mooncake-push \
+        kvbridge-mooncake-layerwise vllm-nixl
 
 Writes ``serve_bench.json`` (every run's vLLM result, less the per-request lists) and prints a
-markdown table of TTFT, TPOT and end-to-end latency p50/p99, request throughput and failed
+markdown table of TTFT, TPOT and end-to-end latency p50/p99, p50 TTFT as a ratio to
+``single``'s (when it ran), when D's last byte landed after P's answer (kvbridge's
+``vllm:kvbridge_landed_after_prefill_seconds`` on D, mean per run), request throughput and failed
 requests; ``--plot`` also draws p99 TTFT against the request rate (matplotlib, the ``bench``
 extra). The tiny test model (``tests/adapters/vllm/e2e/models.py``) and the launch helpers of
 the end-to-end tests are used, so it runs from a checkout on a CPU machine.
@@ -73,6 +76,8 @@ CONNECTORS = (
     "kvbridge-nixl-push",
     "kvbridge-mooncake-layerwise",
     "kvbridge-nixl-layerwise",
+    "kvbridge-cma-push",
+    "kvbridge-cma-layerwise",
     "single",
 )
 #: The ``--kv-heavy`` model: 16 KV heads of 64 on a hidden size of 64, 8 layers, float32.
@@ -83,7 +88,7 @@ KV_HEAVY = {
     "num_attention_heads": 16,
     "num_key_value_heads": 16,
     "head_dim": 64,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 16384,
 }
 PERCENTILES = "50,99"
 
@@ -118,17 +123,19 @@ def api_server(model: Path, port: int, args: list[str]) -> list[str]:
 
 
 def start(
-    connector: str, model: Path, work: Path, max_model_len: int = 1024
+    connector: str, model: Path, work: Path, max_model_len: int = 1024, kv_cache_gib: int = 1
 ) -> tuple[list[Server], str, str]:
     """P, D and the router in front for ``connector``: the servers, the URL clients use and
-    D's (whose ``/metrics`` tell when each request's last byte landed)."""
+    D's (whose ``/metrics`` tell when each request's last byte landed). Each engine gets
+    ``kv_cache_gib`` of KV cache (``VLLM_CPU_KVCACHE_SPACE``)."""
     http_p, http_d, http_r, side_p, side_d = free_ports(5)
+    kv_space = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     args = vllm_args("float32", hybrid=False)
     args[args.index("--max-model-len") + 1] = str(max_model_len)
     servers = []
     if connector == "single":  # one instance on one core (as P prefills), no connector: the limit
         argv = api_server(model, http_d, args)
-        servers.append(Server("single", argv, work / "single.log", _env("0")))
+        servers.append(Server("single", argv, work / "single.log", _env("0", **kv_space)))
         wait_healthy(servers, f"http://127.0.0.1:{http_d}/health", time.perf_counter() + 300)
         return servers, f"http://127.0.0.1:{http_d}", f"http://127.0.0.1:{http_d}"
     layerwise = False
@@ -146,6 +153,7 @@ def start(
             env = _env(
                 core,
                 **deploy,
+                **kv_space,
                 KVBRIDGE_HOST="127.0.0.1",
                 HTTP_HOST="127.0.0.1",
                 HTTP_PORT=str(http),
@@ -162,7 +170,10 @@ def start(
             ("decode", "1", http_d, side_d),
         ):
             env = _env(
-                core, VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(side)
+                core,
+                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
+                **kv_space,
             )
             argv = api_server(model, http, ["--kv-transfer-config", config, *args])
             servers.append(Server(name, argv, work / f"{connector}-{name}.log", env))
@@ -297,7 +308,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """p99 TTFT against the request rate, one line per connector (the unbounded rate last); with
-    several prompt lengths, p50 TTFT against the prompt length instead."""
+    several prompt lengths, p50 TTFT against the prompt length instead, as a ratio to the single
+    instance's (the limit) when it ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -306,19 +318,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     by_length = len({r.get("input_len") for r in rows}) > 1
     key, metric = ("input_len", "p50_ttft_ms") if by_length else ("rate", "p99_ttft_ms")
     xs = sorted({r[key] for r in rows})
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for connector in dict.fromkeys(r["connector"] for r in rows):
+    limit = {r[key]: r["result"][metric] for r in rows if r["connector"] == "single"}
+    ratio = by_length and len(limit) == len(xs)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = plt.get_cmap("tab20").colors
+    for n, connector in enumerate(dict.fromkeys(r["connector"] for r in rows)):
         mine = {r[key]: r["result"][metric] for r in rows if r["connector"] == connector}
-        ax.plot(
-            range(len(xs)),
-            [mine.get(x, float("nan")) for x in xs],
-            marker="o",
-            label=connector,
-        )
+        ys = [mine.get(x, float("nan")) / (limit[x] if ratio else 1.0) for x in xs]
+        style = ":" if connector.endswith("-layerwise") else "--" if "-push" in connector else "-"
+        ax.plot(range(len(xs)), ys, style, marker="o", color=colors[n % 20], label=connector)
     labels = [str(x) if by_length else "max" if math.isinf(x) else f"{x:g}" for x in xs]
     ax.set_xticks(range(len(xs)), labels)
     ax.set_xlabel("prompt length (tokens)" if by_length else "request rate (req/s)")
-    ax.set_ylabel(f"{metric.split('_')[0]} TTFT (ms)")
+    ax.set_ylabel(
+        f"{metric.split('_')[0]} TTFT / single" if ratio else f"{metric.split('_')[0]} TTFT (ms)"
+    )
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -337,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     ap.add_argument("--kv-heavy", action="store_true", help="serve the KV-heavy model shape")
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument(
+        "--kv-cache-gib", type=int, default=1, help="KV cache per engine (long prompts need more)"
+    )
     ap.add_argument("--json", default="serve_bench.json", help="where the results go")
     ap.add_argument("--plot", help="also draw p99 TTFT per rate into this PNG")
     a = ap.parse_args(argv)
@@ -348,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         lens = a.input_lens or [a.input_len]
         max_len = max(1024, 2 ** math.ceil(math.log2(max(lens) + a.output_len + 1)))
         for connector in a.connectors:
-            servers, url, decode_url = start(connector, model, work, max_len)
+            servers, url, decode_url = start(connector, model, work, max_len, a.kv_cache_gib)
             ours = connector.startswith("kvbridge-")
             try:
                 for input_len in lens:
@@ -375,7 +392,15 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for s in reversed(servers):
                     s.stop()
-    keys = ("num_prompts", "input_len", "input_lens", "output_len", "max_concurrency", "kv_heavy")
+    keys = (
+        "num_prompts",
+        "input_len",
+        "input_lens",
+        "output_len",
+        "max_concurrency",
+        "kv_heavy",
+        "kv_cache_gib",
+    )
     settings = {k: getattr(a, k) for k in keys}
     Path(a.json).write_text(json.dumps({"settings": settings, "runs": rows}, indent=1))
     print(table(rows))
