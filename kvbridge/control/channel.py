@@ -386,11 +386,12 @@ class PeerClient:
         self._authenticated = True
 
     def _call(self, body: Message, deadline: float) -> Message:
+        fresh = self._socket is None
         sock = self._connect()
-        # Events from before this call (retries while a restarting peer was down) say nothing
-        # about it; of the ones after, a single refusal may be a retry that started before the
-        # peer came back: two in a row (zmq retries every 100 ms) mean nothing listens now.
-        self._refusals(0)
+        if not fresh:
+            # Events from an earlier call (retries while a restarting peer was down) say
+            # nothing about this one: only a refusal after the send means nothing listens now.
+            self._refusals(0)
         refused = 0
         self._seq += 1
         seq = self._seq
@@ -398,7 +399,7 @@ class PeerClient:
         while True:
             remaining = deadline - time.monotonic()
             ready = dict(self._poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
-            if self._monitor in ready and (refused := self._refusals(refused)) >= 2:
+            if self._monitor in ready and (refused := self._refusals(refused)):
                 raise PeerRefusedError(
                     f"the engine at {self.address} refused the connection for "
                     f"{type(body).__name__} (nothing listens there: engine dead or not started)"
