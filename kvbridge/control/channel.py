@@ -319,19 +319,20 @@ class PeerClient:
             self._poller.register(self._monitor, zmq.POLLIN)
         return self._socket
 
-    def _refusals(self, count: int) -> int:
-        """Read the socket's pending events: ``count`` plus the connects refused since, back to
-        0 once one succeeded."""
+    def _refused(self) -> bool:
+        """Read the socket's pending events: was a connect refused since the last one that
+        succeeded?"""
         assert self._monitor is not None
+        refused = False
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
-                self._up, count = True, 0
+                self._up, refused = True, False
             elif event == zmq.EVENT_DISCONNECTED:
                 self._up = False
             elif event == zmq.EVENT_CONNECT_RETRIED and not self._up:
-                count += 1
-        return count
+                refused = True
+        return refused
 
     def request(self, body: Message, timeout: float | None = None) -> Message:
         """Send ``body``; return the reply, raise ``ControlError`` if refused, or time out."""
@@ -391,15 +392,14 @@ class PeerClient:
         if not fresh:
             # Events from an earlier call (retries while a restarting peer was down) say
             # nothing about this one: only a refusal after the send means nothing listens now.
-            self._refusals(0)
-        refused = 0
+            self._refused()
         self._seq += 1
         seq = self._seq
         sock.send(encode(seq, body))
         while True:
             remaining = deadline - time.monotonic()
             ready = dict(self._poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
-            if self._monitor in ready and (refused := self._refusals(refused)):
+            if self._monitor in ready and self._refused():
                 raise PeerRefusedError(
                     f"the engine at {self.address} refused the connection for "
                     f"{type(body).__name__} (nothing listens there: engine dead or not started)"

@@ -144,8 +144,8 @@ class RequestStats:
     streamed_nbytes: int = 0
     #: from P's answer (``TransferParams.published_at``) until the last byte landed in D: P's
     #: clock for a push (its writes ended), D's for a pull (its reads, and its integrity check
-    #: when ``verify`` is on, ended); what the transfer
-    #: adds to D's time to first token after P's forward pass. 0 when P stamped no time.
+    #: when ``verify`` is on, ended); what the transfer adds to D's time to first token after
+    #: P's forward pass. 0 when P stamped no time.
     landed_after_s: float = 0.0
 
     def landed(self, params: TransferParams) -> None:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvbridge.adapters.vllm.stats import measured
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
@@ -31,9 +33,6 @@ BYTES_BUCKETS = [float(2**e) for e in range(10, 35, 2)]
 #: Descriptors per transfer (after merging): 1 to 1 Mi, each 4 times the last.
 DESCRIPTOR_BUCKETS = [float(4**e) for e in range(11)]
 
-#: Series where 0 means "nothing to measure": no handshake (a known peer), no time stamped by P.
-UNMEASURED_AT_ZERO = frozenset({"handshake_s", "landed_after_s"})
-
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """kvbridge's histograms and counters; ``observe`` records one step's ``KVBridgeStats.data``."""
@@ -46,7 +45,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        # (data key, per-engine histogram); UNMEASURED_AT_ZERO values of 0 are not observed.
+        # (data key, per-engine histogram); only ``measured`` values are observed.
         self._histograms: list[tuple[str, dict[int, Any]]] = [
             (
                 "transfer_s",
@@ -227,9 +226,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         data = transfer_stats_data
         for key, histogram in self._histograms:
             child = histogram[engine_idx]
-            for value in data.get(key) or ():
-                if key in UNMEASURED_AT_ZERO and value == 0:
-                    continue
+            for value in measured(key, data.get(key) or []):
                 child.observe(value)
         for key, counter in self._counters:
             value = data.get(key) or 0

@@ -27,6 +27,14 @@ SERIES = (
     # from P's answer to the last byte landed in D (0: P stamped no time)
     "landed_after_s",
 )
+#: Series where 0 means "nothing to measure": no handshake (a known peer), no time stamped by P;
+#: the log line and the histograms leave those zeros out.
+UNMEASURED_AT_ZERO = frozenset({"handshake_s", "landed_after_s"})
+
+
+def measured(key: str, values: list[Any]) -> list[Any]:
+    """``values`` of series ``key`` that were measured (0 is "unmeasured" for some series)."""
+    return [v for v in values if v != 0] if key in UNMEASURED_AT_ZERO else list(values)
 
 
 #: Counters summed over workers and intervals: failed loads; of those, the ones that waited for a
@@ -150,7 +158,7 @@ class KVBridgeStats(KVConnectorStats):
         streamed = float(np.sum(self.data["streamed_nbytes"]))
         if streamed:
             out["streamed_MiB"] = round(streamed / 2**20, 3)
-        landed = [s for s in self.data["landed_after_s"] if s != 0]
+        landed = measured("landed_after_s", self.data["landed_after_s"])
         if landed:
             out["avg_landed_after_prefill_ms"] = round(float(np.mean(landed)) * 1e3, 3)
         return out
