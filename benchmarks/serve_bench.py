@@ -13,7 +13,8 @@ version lookup.
 
 Layer-wise transfer (issue 29): ``kvbridge-<transport>-layerwise`` puts kvbridge's proxy in its
 concurrent dispatch in front (P and D get each request at once, P writes each layer into D as
-it is computed; vllm-router cannot dispatch that way), ``kvbridge-<transport>-push`` is the
+it is computed; vllm-router cannot dispatch that way), ``-layerwise-pull`` the same dispatch
+with P's mode pull (P tells D each computed layer, D reads it), ``kvbridge-<transport>-push`` is the
 whole-request push behind vllm-router, and ``single`` is one instance without a connector: its
 TTFT is a prefill plus a first decode step, the limit no P/D split can beat. ``--input-lens``
 sweeps the prompt length; with ``--max-concurrency 1`` each TTFT is one request's, unqueued.
@@ -65,7 +66,8 @@ from tests.adapters.vllm.e2e.serve_pd import (  # noqa: E402
 )
 
 #: Connectors compared: kvbridge per transport (pull, P's default; ``-push``: whole-request push;
-#: ``-layerwise``: the concurrent dispatch behind kvbridge's proxy), vLLM's own, and one
+#: ``-layerwise``/``-layerwise-pull``: the concurrent dispatch behind kvbridge's proxy, P writing
+#: or D reading each layer as P computes it), vLLM's own, and one
 #: instance alone (``single``: the limit).
 CONNECTORS = (
     "kvbridge-mooncake",
@@ -78,6 +80,9 @@ CONNECTORS = (
     "kvbridge-nixl-layerwise",
     "kvbridge-cma-push",
     "kvbridge-cma-layerwise",
+    "kvbridge-mooncake-layerwise-pull",
+    "kvbridge-nixl-layerwise-pull",
+    "kvbridge-cma-layerwise-pull",
     "single",
 )
 #: The ``--kv-heavy`` model: 16 KV heads of 64 on a hidden size of 64, 8 layers, float32.
@@ -141,11 +146,13 @@ def start(
     layerwise = False
     if connector.startswith("kvbridge-"):
         transport, mode = kvbridge_parts(connector)
-        layerwise = mode == "layerwise"
+        layerwise = mode.startswith("layerwise")
         secret = work / "secret"
         secret.write_text(uuid.uuid4().hex + "\n")
         secret.chmod(0o600)
-        deploy = deploy_vars(str(model), transport, "push" if layerwise else mode, secret)
+        # the concurrent dispatch moves layers in P's mode: push, or pull for -layerwise-pull
+        deploy_mode = {"layerwise": "push", "layerwise-pull": "pull"}.get(mode, mode)
+        deploy = deploy_vars(str(model), transport, deploy_mode, secret)
         for name, script, core, http, side in (
             ("prefill", "prefill.sh", "0", http_p, side_p),
             ("decode", "decode.sh", "1", http_d, side_d),
@@ -325,7 +332,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for n, connector in enumerate(dict.fromkeys(r["connector"] for r in rows)):
         mine = {r[key]: r["result"][metric] for r in rows if r["connector"] == connector}
         ys = [mine.get(x, float("nan")) / (limit[x] if ratio else 1.0) for x in xs]
-        style = ":" if connector.endswith("-layerwise") else "--" if "-push" in connector else "-"
+        style = (
+            "-."
+            if connector.endswith("-layerwise-pull")
+            else ":"
+            if connector.endswith("-layerwise")
+            else "--"
+            if "-push" in connector
+            else "-"
+        )
         ax.plot(range(len(xs)), ys, style, marker="o", color=colors[n % 20], label=connector)
     labels = [str(x) if by_length else "max" if math.isinf(x) else f"{x:g}" for x in xs]
     ax.set_xticks(range(len(xs)), labels)

@@ -29,6 +29,7 @@ from kvbridge.control.messages import (
     Digest,
     DigestRequest,
     FromDecodeRank,
+    LayersReady,
     Message,
     Ok,
     PullStart,
@@ -36,6 +37,7 @@ from kvbridge.control.messages import (
     PushQuery,
     PushRequest,
     Release,
+    StreamRequest,
     TransferFigures,
 )
 from kvbridge.control.requests import (
@@ -46,7 +48,7 @@ from kvbridge.control.requests import (
     checked_ids,
     forget_expired,
 )
-from kvbridge.control.streams import PushKey, Stream, fence_all
+from kvbridge.control.streams import PushKey, ReadyNotices, Stream, fence_all
 from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify
@@ -117,9 +119,10 @@ class Leases:
         self._transfers = transfers
         self._lock = ctx.lock
         self._leases: dict[str, _Lease] = {}
-        # Pushes D ranks asked for before P published: (D, its request, until when), by
-        # (request id, D rank, token): a push with another token cannot crowd out the bearer's.
-        self._pending_push: dict[tuple[str, int, str], tuple[RemoteEngine, PushRequest, float]] = {}
+        # Pushes (and layer-wise pulls) D ranks asked for before P published: (D, its request,
+        # until when), by (request id, D rank, token): one with another token cannot crowd out
+        # the bearer's.
+        self._pending_push: dict[PushKey, tuple[RemoteEngine, _Early, float]] = {}
         # How finished pushes ended (D may ask again), by (request id, D rank), with the
         # request's token, and requests D withdrew before P saw them, by (request id, token)
         # (a late PushRequest or PullStart for them is refused); both until the time given.
@@ -128,6 +131,8 @@ class Leases:
         # Layers written to D ranks before publish (``stream``), by the pending push's key;
         # kept until the push at publish takes them over, or fenced when it never comes.
         self._streams: dict[PushKey, Stream] = {}
+        # Layer-wise pulls: what P tells each D rank of the layers it computed, by the same key.
+        self._notices: dict[PushKey, ReadyNotices] = {}
 
     def publish(
         self,
@@ -182,14 +187,23 @@ class Leases:
                         request_id,
                         remote.engine_id,
                     )
-            starts = [(self._join(lease, push[1]), push) for push in pushes]
+            starts = [(self._join(lease, push[1], push[0].engine_id), push) for push in pushes]
+            notices = {key: self._notices.pop(key, None) for key, _ in asked}
         log.debug(
             "request %s: published (%s)",
             request_id,
-            f"{len(pushes)} push(es) waiting" if pushes else mode,
+            f"{len(pushes)} early reader(s) waiting" if pushes else mode,
         )
+        for key, (remote, request, _) in asked:
+            notice = notices[key]
+            if isinstance(request, StreamRequest) and auth.token_matches(token, key[2]):
+                # D reads the rest now (after the layers told): P holds it for D's claim
+                self._last_word(key, remote, notice, _published(params))
+            elif notice is not None:
+                notice.close()
         for reader, (remote, request, _) in starts:
-            self._start_push(reader, remote, request)
+            if isinstance(request, PushRequest):
+                self._start_push(reader, remote, request, early=True)
         return params
 
     def unpublish(self, request_id: str) -> None:
@@ -218,6 +232,9 @@ class Leases:
             return 0
         submitted = 0
         for key, (remote, push, _) in asked:
+            if isinstance(push, StreamRequest):  # D reads: tell it, off the forward pass
+                self._tell_ready(key, remote, block_ids, layers)
+                continue
             connected = remote.connected
             if not connected.done() or connected.exception() is not None:
                 continue
@@ -227,13 +244,49 @@ class Leases:
                 if stream.failed or stream.closed:
                     continue
                 try:
-                    submitted += stream.write(ctx, block_ids, push.block_ids, layers)
+                    submitted += stream.send(ctx, block_ids, push.block_ids, layers)
                 except MessageError:  # the engine's ids do not fit: nothing was written
                     raise
                 except Exception as err:  # the push at publish fails, fenced with the rest
                     stream.failed = f"a layer-wise write could not start: {err}"
                     log.warning("request %s: %s", request_id, stream.failed)
         return submitted
+
+    def _tell_ready(
+        self, key: PushKey, remote: RemoteEngine, block_ids: Mapping[int, Any], layers: list[str]
+    ) -> None:
+        """A layer-wise pull: tell the D rank these layers are computed (``ReadyNotices``)."""
+        with self._lock:
+            notices = self._notices.setdefault(key, ReadyNotices(remote))
+        if notices.add(self._ctx, block_ids, layers):
+            self._ctx.peer_waits.submit(self._send_ready, key[0], notices)
+
+    def _last_word(
+        self,
+        key: PushKey,
+        remote: RemoteEngine,
+        notices: ReadyNotices | None,
+        last: LayersReady,
+    ) -> None:
+        """A layer-wise pull's last word to D, after the layers told (if any were)."""
+        if notices is None:
+            self._ctx.peer_waits.submit(self._deliver, remote.endpoint, last)
+        elif notices.finish(last):
+            self._ctx.peer_waits.submit(self._send_ready, key[0], notices)
+
+    def _send_ready(self, request_id: str, notices: ReadyNotices) -> None:
+        """Send what ``notices`` holds, in order, until nothing is left. A layer notice that
+        does not arrive costs time only (D reads those layers once P published the request);
+        the last word is delivered as a push's end is."""
+        while (ready := notices.take(request_id)) is not None:
+            if ready.published or not ready.ok:
+                self._deliver(notices.remote.endpoint, ready)
+                continue
+            try:
+                client = self._peers.client(notices.remote.endpoint)
+                client.request(ready, self._ctx.deadlines.call)
+            except Exception as err:
+                log.info("request %s: layers ready not told to decode: %s", request_id, err)
 
     @property
     def leased(self) -> list[str]:
@@ -256,6 +309,8 @@ class Leases:
                 for key in self._streams
                 if key not in self._pending_push and key[0] not in self._leases
             ]
+            for key in [k for k in self._notices if k not in self._pending_push]:
+                self._notices.pop(key).close()
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
         deadlines = self._ctx.deadlines
@@ -292,8 +347,15 @@ class Leases:
                 for key in list(self._pending_push)
                 if key[0] == request_id and auth.token_matches(token, key[2])
             }
-        for key, (remote, _, _) in asked.items():
-            self._end_stream(key, reason, tell=remote.endpoint)
+            notices = {key: self._notices.pop(key, None) for key in asked}
+        for key, (remote, request, _) in asked.items():
+            if isinstance(request, StreamRequest):  # D read only P's blocks: nothing to fence
+                why = f"prefill will not send it: {reason}"
+                self._last_word(
+                    key, remote, notices[key], LayersReady(request_id, ok=False, reason=why)
+                )
+            else:
+                self._end_stream(key, reason, tell=remote.endpoint)
 
     def _end_stream(
         self, key: PushKey, reason: str, wait: bool = False, tell: str | None = None
@@ -427,6 +489,10 @@ class Leases:
                 del self._pending_push[key]
             streamed = [k for k in self._streams if k[0] == rid and k[2] == token]
             pushed = any(k[0] == rid for k in self._push_results)
+            told = [k for k in self._notices if k[0] == rid and k[2] == token]
+            notices = [self._notices.pop(k) for k in told]
+        for notice in notices:
+            notice.close()
         for key in streamed:  # layers written before publish: fenced, then the push failed
             self._end_stream(key, f"aborted by decode: {body.reason}")
         with self._lock:
@@ -464,42 +530,67 @@ class Leases:
         raise _unknown(rid)
 
     def on_push_request(self, peer: str, body: PushRequest) -> Message:
-        rid = body.request_id
         with self._lock:
-            remote = self._peers.peer(peer)
-            if remote is None:
-                raise MessageError("no_handshake", "handshake before requesting a push")
-            lease = self._leases.get(rid)
-            if lease is not None:
-                _require_token(lease, body)
-            withdrawn = (rid, body.token) in self._withdrawn
-            if withdrawn or (rid, body.rank) in self._push_results:
-                raise MessageError(
-                    "withdrawn",
-                    f"request {rid!r} was aborted, withdrawn by prefill, or already pushed",
-                )
-            body.block_ids = checked_ids(remote.layout, body.block_ids, "destination")
+            remote, lease = self._admit(peer, body)
             if lease is None:
-                key = (rid, body.rank, body.token)
-                if key in self._pending_push:
-                    raise MessageError("duplicate", f"push of {rid!r} requested twice")
-                # P has not finished prefilling yet: write once it publishes (with this token).
-                until = time.monotonic() + self._ctx.deadlines.remember
-                self._pending_push[key] = (remote, body, until)
-                log.debug("request %s: push requested before publish", rid)
-                return Ok()
+                return Ok()  # P has not finished prefilling yet: it writes once it publishes
             reader = self._join(lease, body, peer)
         self._start_push(reader, remote, body)
         return Ok()
 
+    def on_stream_request(self, peer: str, body: StreamRequest) -> Message:
+        """D asks for a layer-wise pull: kept until P publishes (``LayersReady`` meanwhile), or
+        answered with the published request at once when P has published it already."""
+        with self._lock:
+            _, lease = self._admit(peer, body)
+            if lease is None:
+                return Ok()
+            self._join(lease, body, peer)
+            return _published(lease.params)
+
+    def _admit(self, peer: str, body: _Early) -> tuple[RemoteEngine, _Lease | None]:
+        """A D rank's push or layer-wise pull request, lock held: the rank's engine, and the
+        lease when P published the request; otherwise the request is kept (with its token)
+        until P publishes it, and the lease is None."""
+        rid, what = body.request_id, type(body).__name__
+        remote = self._peers.peer(peer)
+        if remote is None:
+            raise MessageError("no_handshake", f"handshake before a {what}")
+        lease = self._leases.get(rid)
+        if lease is not None:
+            _require_token(lease, body)
+        if (rid, body.token) in self._withdrawn or (rid, body.rank) in self._push_results:
+            raise MessageError(
+                "withdrawn", f"request {rid!r} was aborted, withdrawn by prefill, or already pushed"
+            )
+        if isinstance(body, PushRequest):
+            body.block_ids = checked_ids(remote.layout, body.block_ids, "destination")
+        if lease is None:
+            key = (rid, body.rank, body.token)
+            if key in self._pending_push:
+                raise MessageError("duplicate", f"{what} of {rid!r} sent twice")
+            until = time.monotonic() + self._ctx.deadlines.remember
+            self._pending_push[key] = (remote, body, until)
+            log.debug("request %s: %s before publish", rid, what)
+        return remote, lease
+
     # -- P's push ---------------------------------------------------------------------------------
-    def _start_push(self, reader: _Reader, remote: RemoteEngine, request: PushRequest) -> None:
+    def _start_push(
+        self, reader: _Reader, remote: RemoteEngine, request: PushRequest, early: bool = False
+    ) -> None:
+        """``early``: D asked before P published (it does not know P's block ids)."""
         with self._lock:
             reader.pushing, reader.engine_id = True, remote.engine_id
-        self._ctx.requests.submit(self._run_push, reader, remote, request, time.monotonic())
+        started = time.monotonic()
+        self._ctx.requests.submit(self._run_push, reader, remote, request, started, early)
 
     def _run_push(
-        self, reader: _Reader, remote: RemoteEngine, request: PushRequest, started: float
+        self,
+        reader: _Reader,
+        remote: RemoteEngine,
+        request: PushRequest,
+        started: float,
+        early: bool = False,
     ) -> None:
         ctx, transfers = self._ctx, self._transfers
         rid, block_ids = reader.params.request_id, request.block_ids
@@ -515,11 +606,8 @@ class Leases:
                 ctx.layout, remote.layout, src_ids, block_ids, stats, by_layer=stream is not None
             )
             rest = plan
-            if plan is not None and stream is not None:
-                same = {g: list(src_ids.get(g, ())) for g in stream.src_ids} == stream.src_ids
-                done_layers = stream.sent if same else set()
-                rest = plan.for_layers(n for n in plan.layers if n not in done_layers)
-                stats.streamed_nbytes = stream.nbytes if same else 0
+            if stream is not None:
+                rest, stats.streamed_nbytes = stream.rest(plan, src_ids)
             if rest is not None:
                 try:
                     remote.wait_connected(ctx.deadlines.connect)
@@ -528,7 +616,7 @@ class Leases:
                 transfers.move(TransferOp.WRITE, [(remote.engine_id, rest, reader)], stats)
             for written in streamed:  # every layer written before publish has landed
                 ctx.transport.wait(written)
-            stats.landed(reader.params)
+            stats.landed(reader.params.published_at)
             check = Verify(request.verify)
             value = None
             if check is not Verify.OFF and plan is not None:
@@ -539,7 +627,9 @@ class Leases:
                     else plan
                 )
                 value = plan_digest(whole, "src", check, rid) if whole is not None else None
-            source = dict(src_ids) if value is not None else None
+            # D plans its check with P's ids, and permutes what it received by them (a layout
+            # of another cell order): a D that asked early never had them.
+            source = dict(src_ids) if value is not None or early else None
             done = PushDone(rid, True, "", stats.figures(), digest=value, source_block_ids=source)
             ok, reason = True, "pushed to decode"
         except Exception as err:
@@ -576,8 +666,9 @@ class Leases:
                 return
         self._free(lease.params.request_id, ok, reason, stats)
 
-    def _deliver(self, endpoint: str, done: PushDone) -> None:
-        """Tell D how the push ended; a few tries, and D asks (``PushQuery``) if all fail."""
+    def _deliver(self, endpoint: str, done: PushDone | LayersReady) -> None:
+        """Tell D how the push ended (or that a layer-wise pull's request is published or will
+        not be); a few tries, then D asks (``PushQuery``) or its deadline ends the load."""
         ctx = self._ctx
         for attempt in range(3):
             try:
@@ -586,8 +677,9 @@ class Leases:
                 took = time.monotonic() - start
                 log.log(
                     logging.WARNING if took >= ctx.deadlines.slow_after else logging.DEBUG,
-                    "request %s: push end (ok=%s) delivered in %.3f s",
+                    "request %s: %s (ok=%s) delivered in %.3f s",
                     done.request_id,
+                    type(done).__name__,
                     done.ok,
                     took,
                 )
@@ -597,8 +689,9 @@ class Leases:
                 return
             except Exception as err:
                 log.warning(
-                    "request %s: could not tell decode the push ended (try %d): %s",
+                    "request %s: could not tell decode %s (try %d): %s",
                     done.request_id,
+                    type(done).__name__,
                     attempt + 1,
                     err,
                 )
@@ -616,6 +709,21 @@ class Leases:
             self._ctx.record(RequestOutcome(request_id, ok, reason, stats or RequestStats()))
         log.debug("request %s: blocks freed (%s)", request_id, reason)
         return True
+
+
+#: What D asks before P published a request: a push, or a layer-wise pull.
+_Early = PushRequest | StreamRequest
+
+
+def _published(params: TransferParams) -> LayersReady:
+    """A layer-wise pull's word that P published the request and holds it for D."""
+    return LayersReady(
+        params.request_id,
+        dict(params.block_ids),
+        published=True,
+        num_tokens=params.num_tokens,
+        published_at=params.published_at,
+    )
 
 
 def _span(ranks: range) -> str:

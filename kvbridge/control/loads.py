@@ -26,11 +26,13 @@ from kvbridge.control.messages import (
     BlockIds,
     Digest,
     DigestRequest,
+    LayersReady,
     PullStart,
     PushDone,
     PushQuery,
     PushRequest,
     Release,
+    StreamRequest,
 )
 from kvbridge.control.requests import (
     Mode,
@@ -42,6 +44,7 @@ from kvbridge.control.requests import (
     forget_expired,
     timed,
 )
+from kvbridge.control.streams import Stream
 from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import (
     ControlError,
@@ -50,11 +53,12 @@ from kvbridge.core.errors import (
     MessageError,
     PeerRefusedError,
     PeerTimeoutError,
+    TransportError,
 )
 from kvbridge.core.integrity import Verify
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair
-from kvbridge.core.transport import Fence, TransferOp
+from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 from kvbridge.core.transpose import received_transposes
 
 log = logging.getLogger("kvbridge.control")
@@ -81,6 +85,10 @@ class _Part(RankPart):
     settling: bool = False
     #: push: P's word arrived (its figures are counted once)
     reported: bool = False
+    #: layer-wise pull: D's reads of the layers P said were computed, and P's last word
+    #: (published, or it will not be)
+    stream: Stream | None = None
+    ready: LayersReady | None = None
 
     @property
     def params(self) -> TransferParams:
@@ -107,6 +115,12 @@ class _Pending:
     held_since: float = 0.0
     #: nothing proves that bytes of it stopped landing: held for good, never reported
     unproven: bool = False
+    #: P's block ids and its answer's time, when D learnt them only from P (the concurrent
+    #: dispatch)
+    source_ids: BlockIds | None = None
+    published_at: float = 0.0
+    #: layer-wise pull: its end (reading the rest, or fencing what was read) has begun
+    finishing: bool = False
 
 
 class Loads:
@@ -128,9 +142,13 @@ class Loads:
         self._me = {"rank": spec.tp_rank, "tp_size": spec.tp_size}
 
     def pull(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
-        """Start reading a request into these local blocks; the outcome comes later."""
+        """Start reading a request into these local blocks; the outcome comes later.
+
+        ``params.layerwise`` (the concurrent dispatch: P computes the request now): D asks P to
+        tell it each computed layer, reads it at once, and reads the rest once P published."""
         pending = self._begin(params, block_ids)
-        self._ctx.requests.submit(self._run_pull, pending)
+        run = self._run_stream_request if params.layerwise else self._run_pull
+        self._ctx.requests.submit(run, pending)
 
     def push(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
         """Ask P to write a request into these local blocks; the outcome comes later."""
@@ -147,6 +165,9 @@ class Loads:
             if pending is not None:
                 pending.aborted, pending.abort_reason = True, reason
                 handles = [part.handle for part in pending.parts.values() if part.handle]
+                for part in pending.parts.values():
+                    if part.stream is not None:
+                        handles += part.stream.take()
         if pending is None:
             try:
                 addresses = [params.rank(p) for p in self._contacts(params)]
@@ -160,6 +181,8 @@ class Loads:
         elif params.mode is Mode.PUSH:
             self._settle_push_later(pending, reason)
         else:
+            if params.layerwise:  # maybe nobody runs it now: its end fences what was read
+                self._settle_stream_pull(pending, reason)
             # The pull's worker sees the flag (or its wait fails on the release), fences its
             # reads, reports the outcome and tells P.
             for handle in handles:
@@ -189,9 +212,19 @@ class Loads:
                 and p.params.mode is Mode.PUSH
                 and any(not part.settling and not part.ended for part in p.parts.values())
             ]
+            # A layer-wise pull waits for P's word: past its deadline D fences its own reads.
+            waiting = [
+                p
+                for p in self._pending.values()
+                if p.deadline < now and p.params.layerwise and p.params.mode is Mode.PULL
+            ]
             forget_expired(self._aborted, now, lambda until: until)
         for pending in late:
             self._settle_push_later(pending, f"no push within {self._ctx.deadlines.timeout:g} s")
+        for pending in waiting:
+            self._settle_stream_pull(
+                pending, f"prefill published nothing within {self._ctx.deadlines.load:g} s"
+            )
 
     def close(self) -> None:
         """Fail every load in progress (the plane is closing)."""
@@ -274,27 +307,48 @@ class Loads:
                     if part.plan is not None:
                         self._check_pull(part, part.plan)
         except Exception as err:
-            reading = [part for part in parts if part.handle is not None]
-            if reading:
-                self._hold(pending)
-            fences = [
-                transfers.fence(part.handle, rid, pending.stats)
-                for part in reading
-                if part.handle is not None
-            ]
-            reason = f"pull of {rid!r} from {params.endpoint} failed: {err}"
-            if Fence.UNPROVEN in fences:
-                self._hold_for_good(pending, reason)
-            else:
-                self._finish_pending(rid, False, reason)
-            for part in parts:  # P's blocks are only read: P may free them either way
-                release = Release(rid, False, str(err)[:4000], **self._me, token=params.token)
-                ctx.requests.submit(self._tell, part.address, release)
+            self._pull_failed(pending, f"pull of {rid!r} from {params.endpoint} failed", err)
             return
-        # The bytes are in and fenced: the load is done now; P's releases are off D's path (one
-        # that does not arrive is freed by P's lease).
+        self._pull_done(pending)
+
+    def _pull_failed(
+        self,
+        pending: _Pending,
+        what: str,
+        err: Exception,
+        streamed: list[TransferHandle] | None = None,
+    ) -> None:
+        """A pull failed: fence every read of it (``streamed``: a layer-wise pull's early ones),
+        then end the load, and tell P (it may free its blocks: D only read them)."""
+        params, rid = pending.params, pending.params.request_id
+        reading = [*(part.handle for part in pending.parts.values() if part.handle is not None)]
+        reading += streamed or []
+        if reading:
+            self._hold(pending)
+        fences = [self._transfers.fence(handle, rid, pending.stats) for handle in reading]
+        reason = f"{what}: {err}"
+        if Fence.UNPROVEN in fences:
+            self._hold_for_good(pending, reason)
+        else:
+            self._finish_pending(rid, False, reason)
+        why = str(err)[:4000]
+        for part in pending.parts.values():
+            # A release ends this rank's claim (other D ranks may still read P's blocks); a
+            # layer-wise pull P has not published yet is aborted (P keeps nothing of it).
+            unclaimed = params.layerwise and (part.ready is None or not part.ready.published)
+            tell: Release | Abort = (
+                Abort(rid, why, **self._me, token=params.token)
+                if unclaimed
+                else Release(rid, False, why, **self._me, token=params.token)
+            )
+            self._ctx.requests.submit(self._tell, part.address, tell)
+
+    def _pull_done(self, pending: _Pending) -> None:
+        """The bytes are in and fenced: the load is done now; P's releases are off D's path (one
+        that does not arrive is freed by P's lease)."""
+        params, rid = pending.params, pending.params.request_id
         self._finish_pending(rid, True, "")
-        for part in parts:
+        for part in pending.parts.values():
             self._tell(part.address, Release(rid, True, "", **self._me, token=params.token))
 
     def _timed_claim(self, part: _Part) -> None:
@@ -350,6 +404,124 @@ class Loads:
                 f"the bytes it holds differs from decode's {mine} of what it read"
             )
 
+    # -- layer-wise pull ---------------------------------------------------------------------------
+    def _run_stream_request(self, pending: _Pending) -> None:
+        rid = pending.params.request_id
+        pending.stats.queued_s = time.monotonic() - pending.started
+        try:
+            self._handshake_all(pending)
+            if pending.aborted:
+                raise KvbridgeError(pending.abort_reason or "aborted by decode")
+            for part in pending.parts.values():
+                assert part.remote is not None
+                part.stream = Stream(part.remote, TransferOp.READ)
+        except Exception as err:
+            self._settle_stream_pull(pending, f"layer-wise pull of {rid!r} failed: {err}")
+            return
+        wait([self._ctx.asks.submit(self._ask_stream, part) for part in pending.parts.values()])
+        # P's word comes as LayersReady; the load's deadline bounds the wait for it.
+
+    def _ask_stream(self, part: _Part) -> None:
+        ctx, params = self._ctx, part.params
+        ask = StreamRequest(params.request_id, **self._me, token=params.token)
+        try:
+            with timed(part.pending.stats, "ask_s"):
+                reply = self._peers.client(part.address.endpoint).request(ask, ctx.deadlines.call)
+        except PeerTimeoutError:
+            return  # it may have reached P: P's word or the deadline ends the load
+        except Exception as err:  # refused, P gone: P tells nothing, D read nothing
+            why = f"layer-wise pull of {params.request_id!r} failed: {err}"
+            self._settle_stream_pull(part.pending, why)
+            return
+        if isinstance(reply, LayersReady):  # P had published it already
+            self._on_ready(part, reply)
+
+    def on_layers_ready(self, body: LayersReady, sender: str) -> None:
+        """P's word on a layer-wise pull, from the P rank ``sender``."""
+        part = self._part_of(body.request_id, sender)
+        if part is not None:
+            self._on_ready(part, body)
+
+    def _on_ready(self, part: _Part, body: LayersReady) -> None:
+        pending = part.pending
+        if body.ok and not body.published:
+            # Computed layers: submit their reads before answering, so that P's last word,
+            # which it sends after this notice, finds them submitted (the submit does not wait).
+            self._read_layers(part, body)
+            return
+        with self._lock:
+            if part.ready is not None:
+                return
+            part.ready = body
+            everyone = all(p.ready is not None for p in pending.parts.values())
+        if not body.ok:
+            why = body.reason or "prefill will not send it"
+            self._settle_stream_pull(pending, f"layer-wise pull of {body.request_id!r}: {why}")
+        elif everyone:
+            self._settle_stream_pull(pending, "")
+
+    def _read_layers(self, part: _Part, body: LayersReady) -> None:
+        stream = part.stream
+        if stream is None:
+            return
+        with stream.lock:  # the end (reading the rest, or the fence) waits for this read
+            if stream.closed or stream.failed or part.aborted:
+                return
+            try:
+                stream.send(self._ctx, body.source_block_ids, part.pending.block_ids, body.layers)
+            except Exception as err:  # the end fails, fenced with the rest
+                stream.failed = f"a layer-wise read could not start: {err}"
+                log.warning("request %s: %s", body.request_id, stream.failed)
+
+    def _settle_stream_pull(self, pending: _Pending, failure: str) -> None:
+        """End a layer-wise pull, once: read the rest (``failure`` empty: P published it), or
+        fence what was read."""
+        with self._lock:
+            if pending.finishing or self._pending.get(pending.params.request_id) is not pending:
+                return
+            pending.finishing = True
+        self._ctx.requests.submit(self._finish_stream_pull, pending, failure)
+
+    def _finish_stream_pull(self, pending: _Pending, failure: str) -> None:
+        ctx, transfers = self._ctx, self._transfers
+        parts = list(pending.parts.values())
+        streamed = [h for part in parts if part.stream is not None for h in part.stream.take()]
+        try:
+            if failure:
+                raise KvbridgeError(failure)
+            moving = []
+            for part in parts:
+                assert part.remote is not None and part.ready is not None
+                assert part.stream is not None
+                if part.stream.failed:
+                    raise TransportError(part.stream.failed)
+                source = checked_ids(part.remote.layout, part.ready.source_block_ids, "source")
+                pending.source_ids, pending.published_at = source, part.ready.published_at
+                part.plan = transfers.plan(
+                    part.remote.layout, ctx.layout, source, pending.block_ids, pending.stats, True
+                )
+                rest, early = part.stream.rest(part.plan, source)
+                pending.stats.streamed_nbytes += early
+                if rest is not None and rest.count:
+                    moving.append((part.remote.engine_id, rest, part))
+            transfers.move(TransferOp.READ, moving, pending.stats)
+            for handle in streamed:  # every layer read before publish has landed
+                ctx.transport.wait(handle)
+            if ctx.verify is not Verify.OFF:
+                for part in parts:
+                    assert part.remote is not None and pending.source_ids is not None
+                    # P digests its whole plan: the same descriptors, not the cut by layer
+                    whole = plan_tp_pair(
+                        part.remote.layout, ctx.layout, pending.source_ids, pending.block_ids
+                    )
+                    if whole is not None:
+                        self._check_pull(part, whole)
+        except Exception as err:
+            what = f"layer-wise pull of {pending.params.request_id!r}"
+            self._pull_failed(pending, what, err, streamed)
+            return
+        self._pull_done(pending)
+
     # -- push -------------------------------------------------------------------------------------
     def _run_push_request(self, pending: _Pending) -> None:
         params, rid = pending.params, pending.params.request_id
@@ -394,19 +566,26 @@ class Loads:
 
     def on_push_done(self, body: PushDone, sender: str) -> None:
         """P's word on a push, from the P rank ``sender``."""
+        part = self._part_of(body.request_id, sender)
+        if part is not None:
+            self._reported(part, body)
+
+    def _part_of(self, request_id: str, sender: str) -> _Part | None:
+        """The part of a load that P rank ``sender`` speaks for; None if the load ended (a late
+        or repeated word); ``not_yours`` if the sender has no part in it."""
         with self._lock:
-            pending = self._pending.get(body.request_id)
+            pending = self._pending.get(request_id)
             if pending is None:
-                return  # late or duplicate: that request has its outcome already
+                return None
             ranks = pending.parts.values()
             part = next((p for p in ranks if p.remote and p.remote.engine_id == sender), None)
             if part is None:
                 raise MessageError(
                     "not_yours",
-                    f"engine {sender!r} cannot end the push of {body.request_id!r}: it comes "
-                    f"from {[p.address.engine_id for p in pending.parts.values()]}",
+                    f"engine {sender!r} cannot speak for {request_id!r}: it comes from "
+                    f"{[p.address.engine_id for p in pending.parts.values()]}",
                 )
-        self._reported(part, body)
+        return part
 
     def _reported(self, part: _Part, body: PushDone) -> None:
         """A P rank's word on its push (its ``PushDone``, or its answer to ``PushQuery``)."""
@@ -416,6 +595,8 @@ class Loads:
                 return
             part.reported = True
             pending.stats.add_pushed(body.figures)
+            if body.source_block_ids is not None and not pending.params.block_ids:
+                pending.source_ids = body.source_block_ids  # the concurrent dispatch
             if body.unproven:  # nothing proves P's engine stopped writing here
                 part.settling = True
         if body.unproven:
@@ -434,9 +615,9 @@ class Loads:
             if part.remote is None:
                 raise KvbridgeError("no handshake with prefill to plan the check with")
             source = pending.params.block_ids
-            if not source and body.source_block_ids is not None:
+            if not source and pending.source_ids is not None:
                 # The concurrent dispatch: D learns P's ids only now, from P.
-                source = checked_ids(part.remote.layout, body.source_block_ids, "source")
+                source = checked_ids(part.remote.layout, pending.source_ids, "source")
             plan = plan_tp_pair(part.remote.layout, ctx.layout, source, pending.block_ids)
             mine = None
             if plan is not None:
@@ -611,7 +792,7 @@ class Loads:
             pending.stats.total_s = time.monotonic() - pending.started
             ok = ok and not pending.aborted
             if ok and pending.params.mode is Mode.PULL:  # a push's P counted its own
-                pending.stats.landed(pending.params)
+                pending.stats.landed(pending.params.published_at or pending.published_at)
             outcome = RequestOutcome(request_id, ok, reason, pending.stats)
             if ok:
                 outcome.transposes = [
@@ -619,7 +800,10 @@ class Loads:
                     for part in pending.parts.values()
                     if part.remote is not None
                     for t in received_transposes(
-                        part.remote.layout, ctx.layout, pending.params.block_ids, pending.block_ids
+                        part.remote.layout,
+                        ctx.layout,
+                        pending.source_ids or pending.params.block_ids,
+                        pending.block_ids,
                     )
                 ]
             ctx.record(outcome)

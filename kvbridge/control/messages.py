@@ -14,11 +14,12 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
+#: 6: ``StreamRequest`` and ``LayersReady`` (layer-wise pull).
 #: 5: ``TransferParams.published_at``, ``TransferFigures.landed_after_s``.
 #: 4: ``TransferFigures.streamed_nbytes``, ``PushDone.source_block_ids`` (layer-wise push).
 #: 3: D's requests carry the request's capability ``token``; ``AuthRefused``. 2: ``PushDone``
 #: carries its figures as one ``TransferFigures``; 1: six fields of its own.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -175,6 +176,34 @@ class PushQuery(FromDecodeRank, tag="push_query"):
     request_id: RequestId
 
 
+class StreamRequest(FromDecodeRank, tag="stream_request"):
+    """D -> P (layer-wise pull, before P published the request): tell me each layer of it as you
+    compute it (``LayersReady``), and hold it for me once published (my claim, as ``PullStart``)."""
+
+    request_id: RequestId
+
+
+LayerName = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+
+
+class LayersReady(Message, tag="layers_ready"):
+    """P -> D (layer-wise pull): these layers of the request are computed in these P blocks.
+
+    ``published``: P published the request and holds it for D (claimed, as after ``PullStart``):
+    ``source_block_ids`` are then every group's, and D reads what it has not read yet, then
+    releases it. ``ok`` false: P will not publish it (``reason``; D computes the prompt)."""
+
+    request_id: RequestId
+    source_block_ids: BlockIds = {}
+    layers: Annotated[list[LayerName], msgspec.Meta(max_length=1 << 16)] = []
+    published: bool = False
+    num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: P's stamp of its answer (``TransferParams.published_at``), which D's params lack
+    published_at: float = 0.0
+    ok: bool = True
+    reason: Reason = ""
+
+
 class DigestRequest(FromDecodeRank, tag="digest_request"):
     """D -> P (pull, ``verify`` on): digest the bytes D read into these D blocks, as P has them."""
 
@@ -278,6 +307,8 @@ AnyMessage = (
     | PushRequest
     | PushDone
     | PushQuery
+    | StreamRequest
+    | LayersReady
     | DigestRequest
     | Digest
     | Ping

@@ -47,6 +47,7 @@ from kvbridge.control.messages import (
     Describe,
     DigestRequest,
     Handshake,
+    LayersReady,
     Message,
     Ok,
     Ping,
@@ -57,6 +58,7 @@ from kvbridge.control.messages import (
     PushQuery,
     PushRequest,
     Release,
+    StreamRequest,
 )
 from kvbridge.control.probes import Probes
 from kvbridge.control.requests import Mode, RequestOutcome, RequestStats, TransferParams
@@ -235,12 +237,14 @@ class ControlPlane:
     def stream(
         self, request_id: str, token: str, block_ids: Mapping[int, Any], layers: Sequence[str]
     ) -> int:
-        """Layer-wise push: P computed these layers of a request it has not published yet;
-        write them now to every decode rank that asked for a push of it with ``token``.
+        """Layer-wise transfer: P computed these layers of a request it has not published yet;
+        write them now to every decode rank that asked for a push of it with ``token``, and
+        tell every one that asked for a layer-wise pull (``LayersReady``: it reads them).
 
-        Returns the bytes submitted (0 when no decode rank asked yet: the push at ``publish``
-        sends every layer not streamed). Never waits on a peer (it runs between two layers of
-        the engine's forward pass); failures surface at ``publish``'s push, fenced.
+        Returns the bytes submitted by writes (0 when no decode rank asked yet: the push at
+        ``publish`` sends every layer not streamed; a pull reads the rest). Never waits on a
+        peer (it runs between two layers of the engine's forward pass); failures surface at
+        ``publish``'s push, fenced.
         ``block_ids``: P's ids of the groups whose layers stream (not a recurrent state, sent
         at publish once final). See ``kvbridge.control.streams``.
         """
@@ -259,7 +263,8 @@ class ControlPlane:
 
     # -- D side -----------------------------------------------------------------------------------
     def pull(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
-        """Start reading a request into these local blocks; the outcome comes later."""
+        """Start reading a request into these local blocks; the outcome comes later.
+        ``params.layerwise``: while P computes it, each layer as P says it is computed."""
         self._decode.pull(params, block_ids)
 
     def push(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
@@ -397,10 +402,14 @@ _PROTOCOL: dict[type[Message], _Answer] = {
     Release: lambda plane, peer, body: plane._prefill.on_release(peer, body),
     PushRequest: lambda plane, peer, body: plane._prefill.on_push_request(peer, body),
     PushQuery: lambda plane, peer, body: plane._prefill.on_push_query(body),
+    # to P, from a D rank: a layer-wise pull asked before P published the request
+    StreamRequest: lambda plane, peer, body: plane._prefill.on_stream_request(peer, body),
     DigestRequest: lambda plane, peer, body: plane._prefill.on_digest_request(peer, body),
     Abort: _acked(lambda plane, peer, body: plane._prefill.on_abort(body)),
     # to D, from a P rank: how its push ended
     PushDone: _acked(lambda plane, peer, body: plane._decode.on_push_done(body, peer)),
+    # to D, from a P rank: layers of a layer-wise pull computed, or the request published
+    LayersReady: _acked(lambda plane, peer, body: plane._decode.on_layers_ready(body, peer)),
     # any side: is the peer alive and serving
     Ping: lambda plane, peer, body: Ok(),
     # any side, from `kvbridge check`: versions and handshake, then probes of its scratch only

@@ -148,10 +148,11 @@ class RequestStats:
     #: P's forward pass. 0 when P stamped no time.
     landed_after_s: float = 0.0
 
-    def landed(self, params: TransferParams) -> None:
-        """The last byte landed now: ``landed_after_s`` from P's stamp, if it made one."""
-        if params.published_at:
-            self.landed_after_s = time.time() - params.published_at
+    def landed(self, published_at: float) -> None:
+        """The last byte landed now: ``landed_after_s`` from P's stamp
+        (``TransferParams.published_at``), if it made one."""
+        if published_at:
+            self.landed_after_s = time.time() - published_at
 
     def figures(self) -> TransferFigures:
         """What this side's transfer moved and took, as P tells D (``PushDone``)."""

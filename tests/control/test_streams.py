@@ -1,14 +1,19 @@
-"""Layer-wise push through real engine processes (issue 29): D asks for a push before P has
-computed the request; P writes each layer as it is computed (``ControlPlane.stream``), then the
-rest (the recurrent state) when it publishes; every byte checked against P's cache.
+"""Layer-wise transfer through real engine processes (issue 29).
 
-Failures are fenced as for a whole push: a refused layer write, D's abort mid-stream, and a
-stream from a P that never publishes all end the load failed only after P's fence.
+Push: D asks for a push before P has computed the request; P writes each layer as it is
+computed (``ControlPlane.stream``), then the rest (the recurrent state) when it publishes.
+Pull: D asks before P computed it; P tells D each computed layer and D reads it at once, then
+the rest once P published. Every byte is checked against P's cache.
+
+Failures are fenced as for a whole transfer: a refused layer write, D's abort mid-stream, and a
+stream from a P that never publishes all end the load failed only after the fence of every
+transfer of it (P's writes in a push, D's own reads in a pull).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -38,7 +43,9 @@ def paged_ids(engine: EngineProcess, ids: dict[int, list[int]]) -> dict[int, lis
     return {g: b for g, b in ids.items() if kinds[g] is not GroupKind.STATE}
 
 
-def layerwise_params(p: EngineProcess, rid: str, transport: str) -> dict[str, Any]:
+def layerwise_params(
+    p: EngineProcess, rid: str, transport: str, mode: str = "push"
+) -> dict[str, Any]:
     """D's parameters in the concurrent dispatch: P's address and the request's token, not P's
     block ids."""
     return {
@@ -48,7 +55,7 @@ def layerwise_params(p: EngineProcess, rid: str, transport: str) -> dict[str, An
         "block_ids": {},
         "num_tokens": TOKENS,
         "transport": transport,
-        "mode": "push",
+        "mode": mode,
         "token": TOKEN,
         "layerwise": True,
     }
@@ -223,3 +230,192 @@ def test_a_push_asked_after_the_withdrawal_is_refused(engines, transport):
     out = d.call(cmd="wait", request_id="s", timeout=30)
     assert not out["ok"] and "withdrawn" in out["reason"], out
     assert p.call(cmd="pending_push") == []
+
+
+# -- layer-wise pull ---------------------------------------------------------------------------
+@dataclass
+class PullPair:
+    """A P and a D engine, and one request's blocks on each, for a layer-wise pull."""
+
+    p: EngineProcess
+    d: EngineProcess
+    transport: str
+    p_ids: dict[int, list[int]]
+    d_ids: dict[int, list[int]]
+
+    @classmethod
+    def start(cls, engines, transport: str, seed: int, **d_config: Any) -> PullPair:
+        p = engines("prefill", transport, seed=seed, num_blocks=512)
+        d = engines("decode", transport, seed=seed + 1, num_blocks=512, **d_config)
+        p_ids = BlockAllocator(p.layout, seed).request(TOKENS)
+        return cls(p, d, transport, p_ids, BlockAllocator(d.layout, seed + 1).request(TOKENS))
+
+    def params(self, rid: str = "s") -> dict[str, Any]:
+        return layerwise_params(self.p, rid, self.transport, "pull")
+
+    def ask_early(self) -> list[str]:
+        """D asks P for a layer-wise pull of a request P has not computed (the concurrent
+        dispatch); returns what D's memory held before."""
+        before = self.d.call(cmd="digest")
+        assert self.d.call(cmd="pull", params=self.params(), block_ids=self.d_ids) == {
+            "started": True
+        }
+        deadline = time.monotonic() + 30
+        while "s" not in self.p.call(cmd="pending_push"):
+            assert time.monotonic() < deadline, "D's stream request never reached P"
+            time.sleep(0.02)
+        return before
+
+    def stream(self, layers: slice, token: str = TOKEN) -> int:
+        """P computed these of its paged layers (P writes nothing itself in a pull: 0)."""
+        paged = paged_ids(self.p, self.p_ids)
+        names = paged_layers(self.p)[layers]
+        return int(
+            self.p.call(cmd="stream", request_id="s", token=token, block_ids=paged, layers=names)
+        )
+
+    def wait_read(self, before: list[str]) -> None:
+        """D's memory changes: it read what P said was computed, before anything else."""
+        deadline = time.monotonic() + 30
+        while self.d.call(cmd="digest") == before:
+            assert time.monotonic() < deadline, "D read nothing of the layers P said were ready"
+            time.sleep(0.05)
+
+    def publish(self, token: str = TOKEN) -> None:
+        self.p.call(
+            cmd="publish",
+            request_id="s",
+            block_ids=self.p_ids,
+            num_tokens=TOKENS,
+            mode="pull",
+            token=token,
+        )
+
+    def check_bytes(self) -> None:
+        pairs = [(self.p_ids, self.d_ids)]
+        result = self.d.call(
+            cmd="verify", timeout=120, sources=[{"config": self.p.config, "pairs": pairs}]
+        )
+        assert result["ok"], result
+
+    def wait_released(self) -> None:
+        """P's lease ends once D released it (D tells P after its outcome)."""
+        deadline = time.monotonic() + 10
+        while self.p.call(cmd="leased") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.p.call(cmd="leased") == []
+
+
+@pytest.mark.parametrize("verify", ["off", "full"])
+def test_layers_read_before_publish_land_exactly(engines, transport, verify):
+    # verify=full: D checks P's digest of what it holds against its own of what it read
+    pair = PullPair.start(engines, transport, 81, verify=verify)
+    before = pair.ask_early()
+    assert pair.stream(slice(0, 1)) == 0  # P writes nothing itself: D reads
+    pair.wait_read(before)  # D read the first layer before P published anything
+    pair.stream(slice(1, None))
+    pair.publish()
+    out = pair.d.call(cmd="wait", request_id="s", timeout=60)
+    assert out["ok"], out["reason"]
+    stats = out["stats"]
+    # D read some layers early (at least the first), and the recurrent state after publish
+    assert 0 < stats["streamed_nbytes"] < stats["nbytes"], stats
+    pair.check_bytes()
+    pair.wait_released()
+
+
+def test_a_pull_asked_after_publish_reads_everything(engines, transport):
+    # D asks after P published (a slow D): P's answer is the published request, D reads it all
+    pair = PullPair.start(engines, transport, 83)
+    pair.publish()
+    pair.d.call(cmd="pull", params=pair.params(), block_ids=pair.d_ids)
+    out = pair.d.call(cmd="wait", request_id="s", timeout=60)
+    assert out["ok"], out["reason"]
+    assert out["stats"]["streamed_nbytes"] == 0 and out["stats"]["nbytes"] > 0
+    pair.check_bytes()
+    pair.wait_released()
+
+
+def test_a_pull_with_another_token_is_told_nothing(engines, transport):
+    pair = PullPair.start(engines, transport, 85, timeout=2, lease=4.0)
+    before = pair.ask_early()
+    for _ in range(5):
+        pair.stream(slice(None), token="not-" + TOKEN)
+        time.sleep(0.05)
+    assert pair.d.call(cmd="digest") == before
+    pair.publish(token="not-" + TOKEN)
+    # P held nothing for D's token: D's load ends at its deadline, having read nothing
+    out = pair.d.call(cmd="wait", request_id="s", timeout=60)
+    assert not out["ok"]
+    assert pair.d.call(cmd="digest") == before
+    assert pair.d.call(cmd="held") == []
+
+
+def test_an_abort_mid_pull_fences_what_was_read(engines, transport):
+    pair = PullPair.start(engines, transport, 87, timeout=5)
+    p, d = pair.p, pair.d
+    before = pair.ask_early()
+    pair.stream(slice(0, 1))
+    pair.wait_read(before)
+    d.call(cmd="abort", params=pair.params(), reason="client left")
+    out = d.call(cmd="wait", request_id="s", timeout=60, reuse=True)
+    assert not out["ok"] and "client left" in out["reason"], out
+    # D's reads were fenced before the outcome: nothing lands in the reused blocks after it
+    time.sleep(0.5)
+    assert d.call(cmd="digest") == out["digest"]
+    assert d.call(cmd="held") == []
+    # P tells nothing more, and its later publish holds nothing for a D that left
+    deadline = time.monotonic() + 10
+    while "s" not in p.call(cmd="withdrawn"):
+        assert time.monotonic() < deadline, "D's abort never reached P"
+        time.sleep(0.05)
+    assert p.call(cmd="pending_push") == []
+    pair.publish()
+    assert p.call(cmd="leased") == []
+
+
+def test_a_pull_that_is_never_published_ends_at_ds_deadline(engines, transport):
+    pair = PullPair.start(engines, transport, 89, timeout=2, lease=4.0)
+    before = pair.ask_early()
+    pair.stream(slice(None))
+    pair.wait_read(before)
+    # P's request ends without a publish: D fences its own reads and fails at its deadline
+    out = pair.d.call(cmd="wait", request_id="s", timeout=90)
+    assert not out["ok"] and "published nothing" in out["reason"], out
+    assert pair.d.call(cmd="held") == []
+
+
+def test_a_withdrawn_pull_fails_at_once_with_ps_reason(engines, transport):
+    # D's timeout is far beyond the test's wait: only P's word can end the load this early.
+    pair = PullPair.start(engines, transport, 91, timeout=60, lease=120)
+    p, d = pair.p, pair.d
+    before = pair.ask_early()
+    pair.stream(slice(0, 1))
+    pair.wait_read(before)
+    p.call(cmd="withdraw", request_id="s", token=TOKEN, reason="prefill declined: hold limit")
+    out = d.call(cmd="wait", request_id="s", timeout=30)
+    assert not out["ok"] and "hold limit" in out["reason"], out
+    assert d.call(cmd="held") == []
+    assert p.call(cmd="pending_push") == []
+    # a pull asked after the withdrawal is refused at once
+    p.call(cmd="withdraw", request_id="s2", token=TOKEN, reason="prefill declined: hold limit")
+    d.call(
+        cmd="pull", params=pair.params("s2"), block_ids=BlockAllocator(d.layout, 3).request(TOKENS)
+    )
+    out = d.call(cmd="wait", request_id="s2", timeout=30)
+    assert not out["ok"] and "withdrawn" in out["reason"], out
+
+
+def test_a_refused_layer_read_fails_the_pull_fenced(engines, transport):
+    pair = PullPair.start(engines, transport, 93)
+    before = pair.ask_early()
+    pair.stream(slice(0, 1))
+    pair.wait_read(before)
+    pair.d.call(cmd="fault", name="fail_next_submit")
+    pair.stream(slice(1, 2))
+    pair.publish()
+    out = pair.d.call(cmd="wait", request_id="s", timeout=60)
+    assert not out["ok"]
+    assert "layer-wise read could not start" in out["reason"], out["reason"]
+    assert pair.d.call(cmd="held") == []
+    pair.wait_released()  # D released its claim after fencing its reads

@@ -5,8 +5,9 @@ each transport after the control-plane soak; ``tests/adapters/vllm/e2e/test_soak
 version in ``make test``). A prefill and a decode vLLM engine (``run_pd.Engine``, the tiny float32
 llama, ``verify: full``) serve waves of 2-6 concurrent requests, each in a random mode (pull or
 push), prompts drawn from the e2e's; every third wave is layer-wise instead (the concurrent
-dispatch: P and D get the wave at once, P writes each layer to D as it computes it, so a fault
-may hit P mid-forward or D mid-stream). Before each wave one fault is chosen, every kind once
+dispatch: P and D get the wave at once, and each layer moves as P computes it, P writing it
+(push) or D reading it (pull), the mode drawn per wave, so a fault may hit P mid-forward or D
+mid-stream). Before each wave one fault is chosen, every kind once
 per cycle:
 
 - ``freeze_p`` / ``freeze_d``: SIGSTOP of the engine's process group before D has the wave or up
@@ -152,10 +153,11 @@ class VllmSoak:
             self.address = prefill_address(learnt["kv_transfer_params"] or {})
         assert self.address is not None, "P answered without kvbridge's parameters"
         picks = [self.rng.randrange(len(self.ref.prompts)) for _ in range(n)]
-        params = [concurrent_params(self.address) for _ in picks]
+        mode = self.rng.choice(("pull", "push"))  # D reads each layer, or P writes it
+        params = [concurrent_params(self.address, mode) for _ in picks]
         self.tally.faults[fault] += 1
         self.tally.layerwise_waves += 1
-        fired_before = self._arm_late(fault, "write")
+        fired_before = self._arm_late(fault, "read" if mode == "pull" else "write")
         t0 = time.perf_counter()
         timer = self._disturber(fault)
         with ThreadPoolExecutor(1) as pool:
@@ -180,7 +182,8 @@ class VllmSoak:
         self._settle_late(fault, fired_before)
         self._after(fault)
         self._count(picks, out, fault)
-        self.log(f"  layer-wise wave of {n} ({fault}) in {time.perf_counter() - t0:.1f} s")
+        took = time.perf_counter() - t0
+        self.log(f"  layer-wise {mode} wave of {n} ({fault}) in {took:.1f} s")
 
     def _arm_late(self, fault: str, op: str) -> int:
         """For ``late_write``: arm garbage landing after the wave's first ``op`` transfer fails.

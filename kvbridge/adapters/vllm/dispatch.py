@@ -6,12 +6,15 @@ computed it. For layer-wise transfer D must know the request while P computes it
 write each layer into D's blocks as soon as it is computed. The router then makes one transfer id
 and one capability token, and sends both requests at once:
 
-- to P: ``{"do_remote_decode": True, "kvbridge_layerwise": {"id": ..., "token": ...}}``; P
-  publishes the request under that id and token, in push mode, and streams its layers;
+- to P: ``{"do_remote_decode": True, "kvbridge_layerwise": {"id", "token", "mode"}}``; P
+  publishes the request under that id and token, and streams its layers as it computes them;
 - to D: ``{"do_remote_prefill": True, "kvbridge": TransferParams(...)}`` naming P's side channel
   (from any earlier answer of that P: ``prefill_address``), the same id and token, no block ids
-  (P's are not known yet), ``layerwise: True``. D allocates its blocks, asks P for a push of the
-  request at once, and loads what P writes.
+  (P's are not known yet), ``layerwise: True``, and the mode. D allocates its blocks and asks P
+  at once: for a push (P writes each layer into D's blocks as it computes it), or for a pull
+  (P tells D each computed layer, D reads it while P computes the next, and the rest once P
+  published). The mode is P's, as its earlier answer named it (the connector's ``mode``
+  option), unless the router chooses one: a deployment chooses as for whole-request transfers.
 
 The token is as unguessable as the one P makes itself (``kvbridge.control.auth.new_token``) and
 grants what P's does: only the bearer's push is served. The router is the only party that sees
@@ -33,8 +36,9 @@ ADDRESS_FIELDS = ("engine_id", "endpoint", "transport", "ranks")
 
 
 def prefill_address(kv_transfer_params: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The part of a P answer's ``kv_transfer_params`` that names P, or ``None`` without one
-    (P declined to hold the request, or answered with another connector's parameters)."""
+    """The part of a P answer's ``kv_transfer_params`` that names P (and the mode it published
+    in), or ``None`` without one (P declined to hold the request, or answered with another
+    connector's parameters)."""
     raw = kv_transfer_params.get(PARAMS_KEY)
     if not isinstance(raw, Mapping):
         return None
@@ -42,23 +46,30 @@ def prefill_address(kv_transfer_params: Mapping[str, Any]) -> dict[str, Any] | N
         TransferParams.from_dict(raw)
     except Exception:
         return None
-    return {name: raw[name] for name in ADDRESS_FIELDS if name in raw}
+    return {name: raw[name] for name in (*ADDRESS_FIELDS, "mode") if name in raw}
 
 
-def concurrent_params(address: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def concurrent_params(
+    address: Mapping[str, Any], mode: Mode | str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(to P, to D)``: the ``kv_transfer_params`` of one request sent to both at once.
 
-    ``address``: ``prefill_address`` of an earlier answer of the P the request goes to.
+    ``address``: ``prefill_address`` of an earlier answer of the P the request goes to;
+    ``mode``: layer-wise push or pull (default: the mode of that answer, else push).
     """
+    chosen = Mode(mode or address.get("mode") or Mode.PUSH.value)
     transfer_id, token = f"kvbridge-{uuid.uuid4().hex}", auth.new_token()
-    to_p = {"do_remote_decode": True, LAYERWISE_KEY: {"id": transfer_id, "token": token}}
+    to_p = {
+        "do_remote_decode": True,
+        LAYERWISE_KEY: {"id": transfer_id, "token": token, "mode": chosen.value},
+    }
     transfer = TransferParams.from_dict(
         {
             **{k: address[k] for k in ADDRESS_FIELDS if k in address},
             "request_id": transfer_id,
             "block_ids": {},
             "num_tokens": 0,
-            "mode": Mode.PUSH.value,
+            "mode": chosen.value,
             "token": token,
             "layerwise": True,
         }

@@ -30,11 +30,12 @@ Successful responses carry ``x-kvbridge-prefill-ms`` (P's round trip) and, when 
 
 ``--dispatch concurrent`` (``create_app(dispatch="concurrent")``) sends each request to P and D
 at once, with one transfer id and token made here (``kvbridge.adapters.vllm.dispatch``): D asks
-P for the request's KV while P computes it, and P writes each layer into D's blocks as soon as
-it is computed (layer-wise push). D must know P's side channel: the first request to each P goes
-the sequential way and P's answer names it; the rest go concurrently (``x-kvbridge-dispatch``
-says which). A P that fails a concurrent request costs D its timeout, then D computes the prompt
-itself. The default, ``sequential``, is vLLM's convention above.
+P for the request's KV while P computes it, and each layer moves as soon as it is computed:
+P writes it into D's blocks (layer-wise push) or tells D, which reads it (layer-wise pull), in
+the mode P's first answer named (P's ``mode`` option). D must know P's side channel: the first
+request to each P goes the sequential way and P's answer names it; the rest go concurrently
+(``x-kvbridge-dispatch`` says which). A P that fails a concurrent request costs D its
+timeout, then D computes the prompt itself. The default, ``sequential``, is vLLM's convention above.
 
 ``GET /metrics`` answers Prometheus' text format (OpenMetrics when the scraper asks for it) from
 a registry of the app's own (``app.state.metrics.registry``), for the two completions endpoints:
@@ -413,7 +414,7 @@ class Proxy:
         p_base: str,
         address: dict[str, Any],
     ) -> tuple[dict[str, Any], float, float, httpx.Response, str]:
-        """P and D get the request at once (layer-wise push); D's answer, as ``_round`` wants.
+        """P and D get the request at once (layer-wise); D's answer, as ``_round`` wants.
 
         P's answer is awaited before D's is returned, so that a P failure is counted; it does
         not fail the request: D then computes the prompt itself after its timeout.
@@ -651,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=DISPATCHES,
         default="sequential",
         help="sequential: P, then D with P's answer (default); concurrent: P and D at once, "
-        "P writing each layer to D as it is computed (layer-wise push)",
+        "each layer moving to D as P computes it (layer-wise push or pull: P's mode option)",
     )
     ap.add_argument("--log-level", default="info")
     a = ap.parse_args(argv)

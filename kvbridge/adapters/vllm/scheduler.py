@@ -38,9 +38,10 @@ PROCESSED_KEY = "_kvbridge_processed"
 DECLINED_KEY = "kvbridge_declined"
 #: vLLM's null block (the first block of the pool), a placeholder in STATE/SW block lists.
 NULL_BLOCK_ID = 0
-#: On P's request in the concurrent dispatch (layer-wise push): ``{"id": transfer id, "token":
-#: capability}``, made by the router, which gives D the same two in its ``kvbridge`` params
-#: (``TransferParams.layerwise``). P publishes the request under that id and streams its layers.
+#: On P's request in the concurrent dispatch (layer-wise): ``{"id": transfer id, "token":
+#: capability, "mode": push or pull}``, made by the router, which gives D the same in its
+#: ``kvbridge`` params (``TransferParams.layerwise``). P publishes the request under that id and
+#: streams its layers.
 LAYERWISE_KEY = "kvbridge_layerwise"
 #: Bounds on the router's transfer id and token (the token must be as unguessable as P's own).
 _ID_MAX = 256
@@ -152,6 +153,14 @@ def layerwise_of(params: Mapping[str, Any]) -> tuple[str, str] | None:
     if not 0 < len(tid) <= _ID_MAX or not _TOKEN_MIN <= len(token) <= _ID_MAX:
         return None
     return tid, token
+
+
+def layerwise_mode(params: Mapping[str, Any]) -> Mode:
+    """The mode the router gave P's request in the concurrent dispatch (push if none or not
+    a mode: D's own request, not this label, decides what moves)."""
+    raw = params.get(LAYERWISE_KEY)
+    asked = raw.get("mode") if isinstance(raw, Mapping) else None
+    return Mode(asked) if asked in {m.value for m in Mode} else Mode.PUSH
 
 
 def _remote_params(params: Mapping[str, Any]) -> TransferParams | None:
@@ -333,10 +342,11 @@ class SchedulerState:
                 return False, self._withdrawn(layerwise, f"prefill declined: {why}", declined)
         num_tokens = int(request.num_computed_tokens)
         mode = _request_mode(params, self.mode, request.request_id)
-        # The concurrent dispatch: D asked for a push under the router's id and token already.
+        # The concurrent dispatch: D asked for a push or a layer-wise pull under the router's id
+        # and token already (what D asked decides; the answer names the router's mode).
         transfer_id, token = layerwise or ("", auth.new_token())
         if layerwise is not None:
-            mode = Mode.PUSH
+            mode = layerwise_mode(params)
         transfer = TransferParams(
             transfer_id or request.request_id,
             self.ranks[0].engine_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import RequestStatus
 
@@ -61,9 +62,14 @@ def test_p_streams_the_paged_layers_in_the_step_that_ends_the_prefill() -> None:
     assert sched.build_step(step_cached(req, None, 99, 1)).layerwise == []  # streamed once
 
 
-def test_p_publishes_under_the_routers_id_and_token_as_a_push() -> None:
+@pytest.mark.parametrize(("router_mode", "mode"), [(None, Mode.PUSH), ("pull", Mode.PULL)])
+def test_p_publishes_under_the_routers_id_token_and_mode(router_mode, mode) -> None:
     sched = state()
-    params_in = {"do_remote_decode": True, LAYERWISE_KEY: dict(ROUTER), "kvbridge_mode": "pull"}
+    router = dict(ROUTER, **({"mode": router_mode} if router_mode else {}))
+    # the client's own kvbridge_mode does not override the router's dispatch
+    params_in = {"do_remote_decode": True, LAYERWISE_KEY: router, "kvbridge_mode": "push"}
+    if router_mode is None:
+        params_in["kvbridge_mode"] = "pull"
     req = make_request("r1", 100, params_in)
     sched.on_new_request(req)
     req.num_computed_tokens = req.num_prompt_tokens
@@ -72,7 +78,7 @@ def test_p_publishes_under_the_routers_id_and_token_as_a_push() -> None:
     assert delay and params is not None
     transfer = TransferParams.from_dict(params[PARAMS_KEY])
     assert transfer.request_id == "transfer-1" and transfer.token == ROUTER["token"]
-    assert transfer.mode is Mode.PUSH  # D asked for a push: P writes
+    assert transfer.mode is mode  # the router's (push by default): D asked for it
     (pub,) = sched.build_step().publishes
     assert pub.request_id == "r1" and pub.plane_id == "transfer-1"
 

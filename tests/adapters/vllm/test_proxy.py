@@ -459,7 +459,9 @@ def test_concurrent_dispatch_learns_p_then_sends_both_at_once() -> None:
     assert router["id"] != "mine" and len(router["token"]) >= 32  # made here, not the client's
     assert to_p["max_tokens"] == 1 and to_p["kv_transfer_params"]["do_remote_decode"] is True
     params = TransferParams.from_dict(to_d["kv_transfer_params"]["kvbridge"])
-    assert params.layerwise and params.block_ids == {} and params.mode.value == "push"
+    # the mode P's answer named (a layer-wise pull here), not the client's
+    assert params.layerwise and params.block_ids == {} and params.mode.value == "pull"
+    assert router["mode"] == "pull"
     assert (params.request_id, params.token) == (router["id"], router["token"])
     assert (params.engine_id, params.endpoint) == ("p0", "tcp://10.0.0.1:5790")
     assert to_d["max_tokens"] == 4 and to_d["kv_transfer_params"]["do_remote_prefill"] is True

@@ -46,9 +46,12 @@ from typing import Any
 FREEZE_S = 12.0
 CORE_P = "0"
 CORE_D = "1"
-#: pull and push: P, then D with P's answer; layerwise: the concurrent dispatch (D gets the
-#: request while P computes it, P streams each layer as it is computed: issue 29).
-MODES = ("pull", "push", "layerwise")
+#: pull and push: P, then D with P's answer; layerwise and layerwise-pull: the concurrent
+#: dispatch (D gets the request while P computes it, and each layer moves as it is computed, P
+#: writing it or D reading it: issue 29).
+MODES = ("pull", "push", "layerwise", "layerwise-pull")
+#: The layer-wise modes, and the transfer mode each asks for.
+LAYERWISE = {"layerwise": "push", "layerwise-pull": "pull"}
 
 
 @dataclass(frozen=True)
@@ -631,10 +634,10 @@ def build_reference(case: ModelCase, root: Path, max_tokens: int = 32, tp: int =
 def _decode(
     p: Engine, d: Engine, ids: list[int], mode: str, max_tokens: int, prefill: dict | None = None
 ) -> tuple[dict, dict]:
-    if mode == "layerwise":
+    if mode in LAYERWISE:
         if prefill is None:
             raise RuntimeError("the layer-wise dispatch needs P's address from an earlier answer")
-        return _decode_layerwise(p, d, ids, max_tokens, prefill)
+        return _decode_layerwise(p, d, ids, max_tokens, prefill, LAYERWISE[mode])
     pre = p.generate(ids, 1, {"do_remote_decode": True, "kvbridge_mode": mode})
     params = pre["kv_transfer_params"]
     if not params:
@@ -643,15 +646,16 @@ def _decode(
 
 
 def _decode_layerwise(
-    p: Engine, d: Engine, ids: list[int], max_tokens: int, prefill: dict[str, Any]
+    p: Engine, d: Engine, ids: list[int], max_tokens: int, prefill: dict[str, Any], mode: str
 ) -> tuple[dict, dict]:
-    """D first, then P once D's push request reached it (so that P streams every layer: a race
-    left alone would stream only when P is slower than D's request, as a real router's is)."""
+    """D first, then P once D's push (or layer-wise pull) request reached it (so that every
+    layer streams: a race left alone would stream only when P is slower than D's request, as a
+    real router's is)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvbridge.adapters.vllm.dispatch import concurrent_params
 
-    to_p, to_d = concurrent_params(prefill)
+    to_p, to_d = concurrent_params(prefill, mode)
     tid = to_p["kvbridge_layerwise"]["id"]
     with ThreadPoolExecutor(1) as pool:
         dec = pool.submit(d.generate, ids, max_tokens, to_d, True)
@@ -748,7 +752,7 @@ def run_pair(
         # time to first token would measure that compile, so D asks once before the prompts.
         d.generate(WARMUP_PROMPT, 1, None, top2=True)
         prefill: dict[str, Any] | None = None
-        if "layerwise" in modes:
+        if any(m in LAYERWISE for m in modes):
             # P's side channel, as a router learns it: from an answer of P's (a hold nobody
             # claims, freed at P's claim timeout).
             from kvbridge.adapters.vllm.dispatch import prefill_address
@@ -778,7 +782,7 @@ def run_pair(
                     # P's hit: D's params carry it (vLLM reports it as D's cached tokens),
                     # except layer-wise, where D's params left before P computed anything
                     "p_cached": pre["num_cached_tokens"]
-                    if mode == "layerwise"
+                    if mode in LAYERWISE
                     else dec["num_cached_tokens"],
                     "d_loaded_bytes": dec["loaded_bytes"],
                     "d_streamed_bytes": dec["streamed_bytes"],

@@ -447,9 +447,10 @@ def start_pair(
     secret = work / "secret"
     secret.write_text(uuid.uuid4().hex + "\n")
     secret.chmod(0o600)
-    # layerwise: P pushes (the concurrent dispatch asks it to), the proxy dispatches at once
-    layerwise = mode == "layerwise"
-    deploy_mode = "push" if layerwise else mode
+    # layerwise / layerwise-pull: the proxy dispatches at once, in P's configured mode (push:
+    # P writes each layer; pull: D reads each layer P says is computed)
+    layerwise = mode in ("layerwise", "layerwise-pull")
+    deploy_mode = {"layerwise": "push", "layerwise-pull": "pull"}.get(mode, mode)
     deploy = {**deploy_vars(str(ref.model), transport, deploy_mode, secret), **(extra or {})}
     if transport == "nixl" and hosts is not None:
         # Two namespaces are one node to UCX, which would read through CMA: TCP, as across hosts.
@@ -693,7 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default="llama", choices=sorted(CASES))
     ap.add_argument("--transport", default="mooncake")
-    ap.add_argument("--mode", default="pull", choices=["pull", "push", "layerwise"])
+    ap.add_argument(
+        "--mode", default="pull", choices=["pull", "push", "layerwise", "layerwise-pull"]
+    )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--work-dir", help="model and logs here (kept); default: a temp dir")
     ap.add_argument("--json", help="write the summary here")

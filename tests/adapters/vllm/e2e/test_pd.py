@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
-from tests.adapters.vllm.e2e.run_pd import MODES, Reference, run_pair
+from tests.adapters.vllm.e2e.run_pd import LAYERWISE, MODES, Reference, run_pair
 
 pytestmark = E2E
 
@@ -45,16 +45,21 @@ WITH_STATE = {"qwen3_next"}
 
 
 def check_layerwise(name: str, rows: list[dict]) -> None:
-    """Every layer-wise load (the concurrent dispatch, ``run_pd``'s ``layerwise`` mode) came
-    layer by layer as P computed it: all of its bytes, or all but the recurrent state's."""
-    loads = [r for r in rows if r["mode"] == "layerwise" and r["d_loaded_bytes"]]
-    assert loads, "no layer-wise load"
+    """Every layer-wise load (the concurrent dispatch, ``run_pd``'s ``layerwise`` and
+    ``layerwise-pull`` modes) came layer by layer as P computed it: all of its bytes, or all
+    but the recurrent state's (P sends the last layer's notice before its last word, and D
+    submits a told layer's read before it answers the notice)."""
+    ran = {r["mode"] for r in rows} & set(LAYERWISE)
+    assert ran, "no layer-wise mode ran"
+    for mode in ran:
+        assert any(r["mode"] == mode and r["d_loaded_bytes"] for r in rows), f"no {mode} load"
+    loads = [r for r in rows if r["mode"] in LAYERWISE and r["d_loaded_bytes"]]
     for r in loads:
         streamed, loaded = r["d_streamed_bytes"], r["d_loaded_bytes"]
         if name.split("_bf16")[0] in WITH_STATE:
-            assert 0 < streamed < loaded, (r["prompt"], streamed, loaded)
+            assert 0 < streamed < loaded, (r["mode"], r["prompt"], streamed, loaded)
         else:
-            assert streamed == loaded, (r["prompt"], streamed, loaded)
+            assert streamed == loaded, (r["mode"], r["prompt"], streamed, loaded)
 
 
 def check_landed(rows: list[dict]) -> None:

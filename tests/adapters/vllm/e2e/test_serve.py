@@ -129,8 +129,12 @@ def hosts() -> Iterator[tuple[Host, Host]]:
 # NIXL push: the transport that needs its TLS chosen across namespaces (UCX would read through
 # CMA between two namespaces of one node). Mooncake across hosts: tests/control/test_two_hosts.py
 # and the one-host served case; the served pair is started once per case, so one case here.
-# Mooncake layer-wise: the proxy's concurrent dispatch (P and D at once, P streams each layer).
-@pytest.mark.parametrize(("transport", "mode"), [("nixl", "push"), ("mooncake", "layerwise")])
+# Mooncake layer-wise: the proxy's concurrent dispatch (P and D at once, P streams each layer);
+# NIXL layer-wise pull: the same dispatch with P's mode pull (D reads each layer P computed).
+@pytest.mark.parametrize(
+    ("transport", "mode"),
+    [("nixl", "push"), ("mooncake", "layerwise"), ("nixl", "layerwise-pull")],
+)
 def test_two_hosts_through_proxy_match_single_instance(
     reference: Callable[[str], Reference],
     tmp_path: Path,
@@ -153,10 +157,10 @@ def test_two_hosts_through_proxy_match_single_instance(
     # P on a pull, written by P on a push).
     p_sent = p_host.counters()[1] - p_before[1]
     assert p_sent >= summary["stats"]["MiB"] * 2**20, (p_sent, summary["stats"])
-    if mode == "layerwise":
+    if mode in ("layerwise", "layerwise-pull"):
         # The first request learns P's side channel (sequential); every later one went to P and
-        # D at once. How much P streamed before its last layer depends on who was quicker (D's
-        # push request or P's forward pass): reported, not asserted (run_pd checks it in order).
+        # D at once. How much streamed before P's last layer depends on who was quicker (D's
+        # request or P's forward pass): reported, not asserted (run_pd checks it in order).
         dispatches = [r["dispatch"] for r in summary["results"]]
         assert dispatches[0] == "sequential" and set(dispatches[1:]) == {"concurrent"}
         print(

@@ -72,7 +72,8 @@ def test_tp_pair_matches_single_instance_at_d_tp(
     summary = run_pair(
         ref,
         transport,
-        modes=(mode, "layerwise"),
+        # the layer-wise dispatch in the same mode: P writes each layer, or D reads it
+        modes=(mode, "layerwise" if mode == "push" else "layerwise-pull"),
         port_p=port_p,
         port_d=port_d,
         kill_check=False,
