@@ -15,7 +15,7 @@ from functools import partial
 
 from kvbridge.control.channel import PeerClient
 from kvbridge.control.context import PlaneContext
-from kvbridge.control.messages import Handshake
+from kvbridge.control.messages import Handshake, Ping
 from kvbridge.control.requests import RankAddress, RequestStats, timed
 from kvbridge.core.compat import check_compatible
 from kvbridge.core.errors import (
@@ -125,7 +125,25 @@ class Handshakes:
             self._remotes[body.engine_id] = RemoteEngine(
                 body.engine_id, remote, body.endpoint, connecting
             )
+        if body.endpoint:
+            # This side will tell the peer things (a push's end, a layer-wise pull's layers):
+            # open and authenticate that connection now, off any request's path, so that the
+            # first of them does not pay for it.
+            ctx.peer_waits.submit(self._greet, body.endpoint)
         return self._own()
+
+    def _greet(self, endpoint: str) -> None:
+        """Connect and authenticate the side-channel client to a peer that handshook with us
+        (best effort: a failure costs the first message to it the same work, later)."""
+        start = time.monotonic()
+        try:
+            self.client(endpoint).request(Ping(), self._ctx.deadlines.call)
+        except Exception as err:
+            log.info("side channel to %s not opened ahead: %s", endpoint, err)
+            return
+        took = time.monotonic() - start
+        level = logging.WARNING if took >= self._ctx.deadlines.slow_after else logging.DEBUG
+        log.log(level, "side channel to %s opened ahead in %.3f s", endpoint, took)
 
     def _own(self) -> Handshake:
         ctx = self._ctx

@@ -140,7 +140,8 @@ class RequestStats:
     lease_expired: bool = False
     #: P: of those, no D rank had claimed it (freed at ``Deadlines.claim``, before the lease)
     unclaimed: bool = False
-    #: of ``nbytes``, what P wrote layer by layer while it still computed the request (push)
+    #: of ``nbytes``, what moved layer by layer while P still computed the request (P's writes
+    #: in a layer-wise push, D's reads in a layer-wise pull)
     streamed_nbytes: int = 0
     #: from P's answer (``TransferParams.published_at``) until the last byte landed in D: P's
     #: clock for a push (its writes ended), D's for a pull (its reads, and its integrity check

@@ -77,9 +77,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 "streamed_nbytes",
                 self._histogram(
                     "vllm:kvbridge_streamed_bytes",
-                    "Of each successful push transfer's bytes, those the prefill instance wrote "
-                    "layer by layer while it was still computing the request (layer-wise push; "
-                    "0 for the others).",
+                    "Of each successful transfer's bytes, those that moved layer by layer while "
+                    "the prefill instance was still computing the request (layer-wise push or "
+                    "pull; 0 for the others).",
                     [0.0, *BYTES_BUCKETS],
                 ),
             ),

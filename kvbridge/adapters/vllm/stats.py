@@ -22,7 +22,7 @@ SERIES = (
     "descriptors_before_merge",
     "transfer_s",
     "handshake_s",
-    # of ``nbytes``, what P wrote layer by layer while still computing (layer-wise push)
+    # of ``nbytes``, what moved layer by layer while P still computed (layer-wise push or pull)
     "streamed_nbytes",
     # from P's answer to the last byte landed in D (0: P stamped no time)
     "landed_after_s",
