@@ -48,7 +48,7 @@ from kvbridge.control.requests import (
     checked_ids,
     forget_expired,
 )
-from kvbridge.control.streams import PushKey, ReadyNotices, Stream, fence_all
+from kvbridge.control.streams import Part, PushKey, ReadyNotices, Stream, fence_all
 from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify
@@ -210,16 +210,14 @@ class Leases:
         """Drop a lease without a transfer (the request was aborted on P)."""
         self._free(request_id, False, "withdrawn by prefill")
 
-    def stream(
-        self, request_id: str, token: str, block_ids: Mapping[int, Any], layers: list[str]
-    ) -> int:
+    def stream(self, request_id: str, token: str, part: Part, layers: list[str]) -> int:
         """Write these computed layers of a request P has not published yet to every D rank
         that asked for a push of it with ``token``; returns the bytes submitted (0: no D rank
         asked yet, or its transport is not connected yet: the push at publish sends them).
 
-        Never waits on a peer: it runs on the engine's forward pass. ``block_ids``: P's ids of
-        the groups whose layers are streamed (paged groups; a recurrent state is sent at
-        publish, once final).
+        Never waits on a peer: it runs on the engine's forward pass. ``part``: P's ids of the
+        groups whose layers are streamed (paged groups; a recurrent state is sent at publish,
+        once final), of the blocks this prefill step completed.
         """
         ctx = self._ctx
         with self._lock:
@@ -233,7 +231,7 @@ class Leases:
         submitted = 0
         for key, (remote, push, _) in asked:
             if isinstance(push, StreamRequest):  # D reads: tell it, off the forward pass
-                self._tell_ready(key, remote, block_ids, layers)
+                self._tell_ready(key, remote, part, layers)
                 continue
             connected = remote.connected
             if not connected.done() or connected.exception() is not None:
@@ -244,7 +242,7 @@ class Leases:
                 if stream.failed or stream.closed:
                     continue
                 try:
-                    submitted += stream.send(ctx, block_ids, push.block_ids, layers)
+                    submitted += stream.send(ctx, part, push.block_ids, layers)
                 except MessageError:  # the engine's ids do not fit: nothing was written
                     raise
                 except Exception as err:  # the push at publish fails, fenced with the rest
@@ -253,12 +251,12 @@ class Leases:
         return submitted
 
     def _tell_ready(
-        self, key: PushKey, remote: RemoteEngine, block_ids: Mapping[int, Any], layers: list[str]
+        self, key: PushKey, remote: RemoteEngine, part: Part, layers: list[str]
     ) -> None:
         """A layer-wise pull: tell the D rank these layers are computed (``ReadyNotices``)."""
         with self._lock:
             notices = self._notices.setdefault(key, ReadyNotices(remote))
-        if notices.add(self._ctx, block_ids, layers):
+        if notices.add(self._ctx, part, layers):
             self._ctx.peer_waits.submit(self._send_ready, key[0], notices)
 
     def _last_word(
@@ -608,6 +606,7 @@ class Leases:
             rest = plan
             if stream is not None:
                 rest, stats.streamed_nbytes = stream.rest(plan, src_ids)
+                stats.streamed_parts = stream.parts if stats.streamed_nbytes else 0
             if rest is not None:
                 try:
                     remote.wait_connected(ctx.deadlines.connect)

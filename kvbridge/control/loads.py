@@ -44,7 +44,7 @@ from kvbridge.control.requests import (
     forget_expired,
     timed,
 )
-from kvbridge.control.streams import Stream
+from kvbridge.control.streams import Part, Stream
 from kvbridge.control.transfers import RankPart, Transfers, plan_digest
 from kvbridge.core.errors import (
     ControlError,
@@ -468,7 +468,8 @@ class Loads:
             if stream.closed or stream.failed or part.aborted:
                 return
             try:
-                stream.send(self._ctx, body.source_block_ids, part.pending.block_ids, body.layers)
+                told = Part(body.source_block_ids, body.first_blocks, body.total_blocks)
+                stream.send(self._ctx, told, part.pending.block_ids, body.layers)
             except Exception as err:  # the end fails, fenced with the rest
                 stream.failed = f"a layer-wise read could not start: {err}"
                 log.warning("request %s: %s", body.request_id, stream.failed)
@@ -502,6 +503,9 @@ class Loads:
                 )
                 rest, early = part.stream.rest(part.plan, source)
                 pending.stats.streamed_nbytes += early
+                if early:
+                    steps = part.stream.parts
+                    pending.stats.streamed_parts = max(pending.stats.streamed_parts, steps)
                 if rest is not None and rest.count:
                     moving.append((part.remote.engine_id, rest, part))
             transfers.move(TransferOp.READ, moving, pending.stats)

@@ -14,12 +14,14 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
+#: 7: ``LayersReady.first_blocks``/``total_blocks`` and ``TransferFigures.streamed_parts``
+#: (the chunks of a chunked prefill stream as they are computed).
 #: 6: ``StreamRequest`` and ``LayersReady`` (layer-wise pull).
 #: 5: ``TransferParams.published_at``, ``TransferFigures.landed_after_s``.
 #: 4: ``TransferFigures.streamed_nbytes``, ``PushDone.source_block_ids`` (layer-wise push).
 #: 3: D's requests carry the request's capability ``token``; ``AuthRefused``. 2: ``PushDone``
 #: carries its figures as one ``TransferFigures``; 1: six fields of its own.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -28,6 +30,8 @@ EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 #: The wire form of ``kvbridge.core.block_mapping.GroupBlockIds`` (block ids per group), bounded.
 BlockIds = dict[Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)], list[BlockId]]
+#: A count or a position in blocks, per group.
+BlockCounts = dict[Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)], BlockId]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -140,6 +144,8 @@ class TransferFigures(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     unproven: bool = False
     #: of ``nbytes``, what P wrote layer by layer before it published the request
     streamed_nbytes: int = 0
+    #: the parts it wrote them in: one per prefill step (a chunked prefill's chunks)
+    streamed_parts: int = 0
     #: seconds from P's answer (``TransferParams.published_at``) to the push's last byte landed
     landed_after_s: float = 0.0
 
@@ -189,6 +195,11 @@ LayerName = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 class LayersReady(Message, tag="layers_ready"):
     """P -> D (layer-wise pull): these layers of the request are computed in these P blocks.
 
+    A chunked prefill tells each chunk's blocks as a part: ``source_block_ids`` then name P's
+    blocks from position ``first_blocks`` of each group on (0 when absent), of the
+    ``total_blocks`` P holds for the group once the prefill ends (as many as named when
+    absent); see ``kvbridge.control.streams``.
+
     ``published``: P published the request and holds it for D (claimed, as after ``PullStart``):
     ``source_block_ids`` are then every group's, and D reads what it has not read yet, then
     releases it. ``ok`` false: P will not publish it (``reason``; D computes the prompt)."""
@@ -196,6 +207,8 @@ class LayersReady(Message, tag="layers_ready"):
     request_id: RequestId
     source_block_ids: BlockIds = {}
     layers: Annotated[list[LayerName], msgspec.Meta(max_length=1 << 16)] = []
+    first_blocks: BlockCounts = {}
+    total_blocks: BlockCounts = {}
     published: bool = False
     num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     #: P's stamp of its answer (``TransferParams.published_at``), which D's params lack

@@ -62,6 +62,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.probes import Probes
 from kvbridge.control.requests import Mode, RequestOutcome, RequestStats, TransferParams
+from kvbridge.control.streams import Part
 from kvbridge.control.transfers import Transfers
 from kvbridge.core.errors import MessageError, OutcomeTimeoutError
 from kvbridge.core.integrity import Verify
@@ -235,7 +236,13 @@ class ControlPlane:
         self._prefill.unpublish(request_id)
 
     def stream(
-        self, request_id: str, token: str, block_ids: Mapping[int, Any], layers: Sequence[str]
+        self,
+        request_id: str,
+        token: str,
+        block_ids: Mapping[int, Any],
+        layers: Sequence[str],
+        first: Mapping[int, int] | None = None,
+        total: Mapping[int, int] | None = None,
     ) -> int:
         """Layer-wise transfer: P computed these layers of a request it has not published yet;
         write them now to every decode rank that asked for a push of it with ``token``, and
@@ -246,9 +253,13 @@ class ControlPlane:
         peer (it runs between two layers of the engine's forward pass); failures surface at
         ``publish``'s push, fenced.
         ``block_ids``: P's ids of the groups whose layers stream (not a recurrent state, sent
-        at publish once final). See ``kvbridge.control.streams``.
+        at publish once final). A chunked prefill streams each chunk's completed blocks: the
+        ids then start at position ``first`` of each group's blocks, of the ``total`` P holds
+        once the prefill ends (``streams.Part``); pass the same ``block_ids`` object for every
+        layer of a step. See ``kvbridge.control.streams``.
         """
-        return self._prefill.stream(request_id, token, block_ids, list(layers))
+        part = Part(block_ids, first or {}, total or {})
+        return self._prefill.stream(request_id, token, part, list(layers))
 
     def withdraw(self, request_id: str, token: str, reason: str) -> None:
         """P will not publish this request (declined past its hold limit, or ended otherwise):

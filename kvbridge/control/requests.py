@@ -143,6 +143,8 @@ class RequestStats:
     #: of ``nbytes``, what moved layer by layer while P still computed the request (P's writes
     #: in a layer-wise push, D's reads in a layer-wise pull)
     streamed_nbytes: int = 0
+    #: the prefill steps those bytes came in (one per chunk of a chunked prefill, or one)
+    streamed_parts: int = 0
     #: from P's answer (``TransferParams.published_at``) until the last byte landed in D: P's
     #: clock for a push (its writes ended), D's for a pull (its reads, and its integrity check
     #: when ``verify`` is on, ended); what the transfer adds to D's time to first token after
@@ -165,6 +167,7 @@ class RequestStats:
             transfer_s=self.transfer_s,
             unproven=self.unproven,
             streamed_nbytes=self.streamed_nbytes,
+            streamed_parts=self.streamed_parts,
             landed_after_s=self.landed_after_s,
         )
 
@@ -178,6 +181,7 @@ class RequestStats:
         self.transfer_s = max(self.transfer_s, figures.transfer_s)
         self.unproven = self.unproven or figures.unproven
         self.streamed_nbytes += figures.streamed_nbytes
+        self.streamed_parts = max(self.streamed_parts, figures.streamed_parts)
         self.landed_after_s = max(self.landed_after_s, figures.landed_after_s)
 
 

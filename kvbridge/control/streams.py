@@ -44,24 +44,57 @@ log = logging.getLogger("kvbridge.control")
 PushKey = tuple[str, int, str]
 
 
+@dataclass(frozen=True)
+class Part:
+    """Which of a request's blocks one prefill step computed, as the stream is told them.
+
+    ``block_ids``: P's ids per streamed group, from position ``first`` of the group's block list
+    on (0 when absent), of the ``total`` blocks P holds for the group once the prefill ends (as
+    many as named when absent). A prefill done in one step names every block (the whole part);
+    a chunked prefill names, at each chunk, the blocks that chunk completed (its last chunk: the
+    rest). A block is named in one part only, once every token of it is computed, so no block
+    is written twice from a stream while its bytes may still change.
+    """
+
+    block_ids: Mapping[int, Any]
+    first: Mapping[int, int] = field(default_factory=dict)
+    total: Mapping[int, int] = field(default_factory=dict)
+
+
 @dataclass
 class Stream:
     """What one side moved of one request, layer by layer, before P published it: P's writes
     to one D rank (``op`` WRITE, layer-wise push), or one D rank's reads from one P rank (READ,
-    layer-wise pull). ``remote`` is the other side."""
+    layer-wise pull). ``remote`` is the other side.
+
+    Each part (``Part``: a prefill step's blocks) is planned once and cut by layer; a layer
+    counts as streamed (``rest`` skips it) once parts covering every block of its group, in
+    order, were submitted for it.
+    """
 
     remote: RemoteEngine
     op: TransferOp = TransferOp.WRITE
-    #: P's block ids the plan was made from (the groups streamed), and the plan cut by layer
+    #: P's block ids seen so far per streamed group, by position (-1: not seen)
     src_ids: dict[int, list[int]] = field(default_factory=dict)
+    #: the current part's plan, cut by layer, and its layers submitted
     plan: TransferPlan | None = None
-    #: layers submitted, and the writes carrying them (fenced together on failure)
     sent: set[str] = field(default_factory=set)
+    #: per layer, the P position up to which its blocks were submitted without a gap
+    covered: dict[str, int] = field(default_factory=dict)
+    #: the writes (or reads) submitted (fenced together on failure)
     handles: list[TransferHandle] = field(default_factory=list)
     #: why a write could not be submitted: the push then fails, fenced
     failed: str = ""
     nbytes: int = 0
-    #: the ids object the plan was last checked against (a step hands the same one per layer)
+    #: parts planned (one per prefill step that streamed)
+    parts: int = 0
+    #: the current part's positions per group: (first, end, whether it names every block)
+    _span: dict[int, tuple[int, int, bool]] = field(default_factory=dict, repr=False)
+    #: per group, the first P position D's blocks pair with (D's ids are P's tail)
+    _from: dict[int, int] = field(default_factory=dict, repr=False)
+    _layer_group: dict[str, int] = field(default_factory=dict, repr=False)
+    _part_key: object = field(default=None, repr=False)
+    #: the ids object the plan was last made from (a step hands the same one per layer)
     _src_obj: object = field(default=None, repr=False)
     #: held while writing and while the push (or the end) takes the stream over: a write
     #: either lands in ``handles`` before the taker reads them or finds ``closed`` and does
@@ -76,54 +109,98 @@ class Stream:
             return list(self.handles)
 
     def send(
-        self,
-        ctx: PlaneContext,
-        block_ids: Mapping[int, Any],
-        dst_ids: Mapping[int, Any],
-        layers: list[str],
+        self, ctx: PlaneContext, part: Part, dst_ids: Mapping[int, Any], layers: list[str]
     ) -> int:
-        """Submit these layers' descriptors (those not sent yet); returns the bytes submitted.
+        """Submit these layers' descriptors of ``part`` (those not sent yet); returns the bytes
+        submitted.
 
-        ``block_ids``: P's, as the engine hands them or as P said them (checked here against
-        P's layout; ``MessageError`` before anything moves when they do not fit). Plans once
-        per request: again only if P's block ids changed (then every layer is sent again from
-        the new ids, which a later transfer would overwrite with the same bytes anyway).
+        ``part.block_ids``: P's, as the engine hands them or as P said them (checked here
+        against P's layout; ``MessageError`` before anything moves when they do not fit). Plans
+        once per part. If P's ids of a position already seen changed, every layer is sent again
+        from the new ids (a later transfer would overwrite those blocks with the same bytes).
         """
-        if self.plan is not None and block_ids is self._src_obj:
-            return self._submit(ctx, layers)  # a step's layers share its ids: the same plan
+        if part.block_ids is not self._src_obj:
+            self._plan_part(ctx, part, dst_ids)
+        return self._submit(ctx, layers)
+
+    def _plan_part(self, ctx: PlaneContext, part: Part, dst_ids: Mapping[int, Any]) -> None:
         writing = self.op is TransferOp.WRITE
         src_layout, dst_layout = (
             (ctx.layout, self.remote.layout) if writing else (self.remote.layout, ctx.layout)
         )
-        src_ids = checked_ids(src_layout, block_ids, "streamed")
-        groups = [g for g in src_ids if g in dst_ids]
-        mine = {g: list(src_ids[g]) for g in groups}
-        self._src_obj = block_ids
-        if self.plan is None or mine != self.src_ids:
-            if self.plan is not None:
+        src_ids = checked_ids(src_layout, part.block_ids, "streamed")
+        key = (dict(src_ids), dict(part.first), dict(part.total))
+        self._src_obj = part.block_ids
+        if key == self._part_key:  # the same part again (D: a second notice of one step)
+            return
+        if not self._layer_group:
+            self._layer_group = {t.layer_name: t.group_index for t in src_layout.spec.tensors}
+        self.plan, self.sent, self._span, self._part_key = None, set(), {}, key
+        whole: list[int] = []
+        src_cut: dict[int, list[int]] = {}
+        dst_cut: dict[int, list[int]] = {}
+        for g in (g for g in src_ids if g in dst_ids):
+            ids = src_ids[g]
+            first = int(part.first.get(g, 0))
+            total = int(part.total.get(g, first + len(ids)))
+            if not self._remember(g, first, ids, total):
                 log.warning("stream of a request: prefill's block ids changed; sending again")
-            self.plan = plan_tp_pair(
-                src_layout,
-                dst_layout,
-                src_ids.only(groups),
-                _only(dst_ids, groups),
-                by_layer=True,
-            )
-            self.src_ids, self.sent = mine, set()
-        return self._submit(ctx, layers)
+                self.src_ids, self.covered, self._from = {}, {}, {}
+                self._remember(g, first, ids, total)
+            if first == 0 and total == len(ids):  # every block: paired as a whole transfer is
+                whole.append(g)
+                self._span[g] = (0, total, True)
+                continue
+            dst = list(dst_ids[g])
+            offset = total - len(dst)  # D's ids pair with P's last ones
+            lo = max(first, offset)
+            hi = first + len(ids)
+            if offset < 0 or lo >= hi:
+                continue  # D asks for more than P holds (the push at publish says so) or none
+            self._from.setdefault(g, offset)
+            src_cut[g] = ids[lo - first : hi - first]
+            dst_cut[g] = dst[lo - offset : hi - offset]
+            self._span[g] = (first, hi, False)
+        if not self._span:
+            return
+        src_all: dict[int, Any] = {**src_ids.only(whole), **src_cut}
+        dst_all: dict[int, Any] = {**_only(dst_ids, whole), **dst_cut}
+        self.plan = plan_tp_pair(src_layout, dst_layout, src_all, dst_all, by_layer=True)
+        self.parts += 1
+
+    def _remember(self, g: int, first: int, ids: list[int], total: int) -> bool:
+        """Note P's ids at these positions; False if a position seen before had another id."""
+        known = self.src_ids.setdefault(g, [-1] * total)
+        if len(known) != total or first + len(ids) > total:
+            return False
+        old = known[first : first + len(ids)]
+        if any(o != -1 and o != n for o, n in zip(old, ids, strict=True)):
+            return False
+        known[first : first + len(ids)] = ids
+        return True
 
     def rest(
         self, plan: TransferPlan | None, src_ids: Mapping[int, Any]
     ) -> tuple[TransferPlan | None, int]:
         """What of ``plan`` (the request's whole plan, cut by layer, from P's final ``src_ids``)
         is still to move once the stream ended, and the streamed bytes that count: the layers
-        not streamed, or everything if P's ids changed since."""
+        not streamed whole, or everything if P's ids changed since."""
         if plan is None:
             return None, 0
-        same = {g: list(src_ids.get(g, ())) for g in self.src_ids} == self.src_ids
-        if not same:
-            return plan, 0
-        return plan.for_layers(n for n in plan.layers if n not in self.sent), self.nbytes
+        final = {g: list(src_ids.get(g, ())) for g in self.src_ids}
+        for g, ids in final.items():
+            known = self.src_ids[g]
+            if len(known) != len(ids) or any(
+                k not in (-1, n) for k, n in zip(known, ids, strict=True)
+            ):
+                return plan, 0
+        group = self._layer_group
+        done = {
+            n
+            for n in plan.layers
+            if n in group and group[n] in final and self.covered.get(n, -1) >= len(final[group[n]])
+        }
+        return plan.for_layers(n for n in plan.layers if n not in done), self.nbytes
 
     def _submit(self, ctx: PlaneContext, layers: list[str]) -> int:
         if self.plan is None:
@@ -134,13 +211,20 @@ class Stream:
             return 0
         self.sent.update(new)
         cut = self.plan.for_layers(new)
-        if not cut.count:
-            return 0
-        local, remote, lengths = cut.local_remote(self.op)
-        handle = ctx.transport.submit(self.op, self.remote.engine_id, local, remote, lengths)
-        self.handles.append(handle)
-        self.nbytes += cut.nbytes
-        return cut.nbytes
+        if cut.count:
+            local, remote, lengths = cut.local_remote(self.op)
+            handle = ctx.transport.submit(self.op, self.remote.engine_id, local, remote, lengths)
+            self.handles.append(handle)
+            self.nbytes += cut.nbytes
+        for name in new:  # submitted: this part's blocks of the layer are on their way
+            span = self._span.get(self._layer_group.get(name, -1))
+            if span is None:
+                continue
+            first, end, whole = span
+            g = self._layer_group[name]
+            if whole or self.covered.get(name, self._from.get(g, 0)) >= first:
+                self.covered[name] = max(end, self.covered.get(name, 0))
+        return cut.nbytes if cut.count else 0
 
     def release(self, ctx: PlaneContext) -> list[TransferHandle]:
         """Close the stream and stop every write still moving (an abort): the fence then waits
@@ -154,14 +238,14 @@ class Stream:
 @dataclass
 class ReadyNotices:
     """P's word to one D rank of a layer-wise pull, in order, one message in flight: the layers
-    computed so far (``LayersReady``), told as they come (those that became ready meanwhile go
-    together in the next), then P's last word (published, or it will not be). D reads what it
-    was told as each notice arrives, so the last word finds every told layer's read submitted."""
+    computed so far (``LayersReady``), told as they come (those of a part that became ready
+    meanwhile go together in the next), then P's last word (published, or it will not be). D
+    reads what it was told as each notice arrives, so the last word finds every told layer's
+    read submitted."""
 
     remote: RemoteEngine
-    #: P's block ids of the streamed groups (as the message carries them), and layers not told
-    src_ids: dict[int, list[int]] = field(default_factory=dict)
-    layers: list[str] = field(default_factory=list)
+    #: layer notices not sent yet, per part in order: (part as the message carries it, layers)
+    queue: list[tuple[dict[str, Any], list[str]]] = field(default_factory=list)
     told: set[str] = field(default_factory=set)
     #: P's last word, sent after every layer notice
     last: LayersReady | None = None
@@ -169,23 +253,30 @@ class ReadyNotices:
     busy: bool = False
     closed: bool = False
     _src_obj: object = field(default=None, repr=False)
+    _part: dict[str, Any] = field(default_factory=dict, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, ctx: PlaneContext, block_ids: Mapping[int, Any], layers: list[str]) -> bool:
-        """Note these computed layers; True when the caller must start a sender. Raises
-        ``MessageError`` when the ids do not fit P's layout."""
+    def add(self, ctx: PlaneContext, part: Part, layers: list[str]) -> bool:
+        """Note these computed layers of ``part``; True when the caller must start a sender.
+        Raises ``MessageError`` when the ids do not fit P's layout."""
         with self.lock:
             if self.closed:
                 return False
-            if block_ids is not self._src_obj:
-                ids = checked_ids(ctx.layout, block_ids, "streamed")
-                src = {g: list(v) for g, v in ids.items()}
-                if self.src_ids and src != self.src_ids:
-                    self.told = set()  # D reads every layer again from the new ids
-                self.src_ids, self._src_obj = src, block_ids
+            if part.block_ids is not self._src_obj:
+                ids = checked_ids(ctx.layout, part.block_ids, "streamed")
+                self._part = {
+                    "source_block_ids": {g: list(v) for g, v in ids.items()},
+                    "first_blocks": {int(g): int(n) for g, n in part.first.items()},
+                    "total_blocks": {int(g): int(n) for g, n in part.total.items()},
+                }
+                self._src_obj, self.told = part.block_ids, set()
             new = [n for n in layers if n not in self.told]
             self.told.update(new)
-            self.layers.extend(new)
+            if new:
+                if self.queue and self.queue[-1][0] is self._part:
+                    self.queue[-1][1].extend(new)
+                else:
+                    self.queue.append((self._part, new))
             return self._start()
 
     def finish(self, last: LayersReady) -> bool:
@@ -196,7 +287,7 @@ class ReadyNotices:
             return self._start()
 
     def _start(self) -> bool:
-        if self.busy or not (self.layers or self.last):
+        if self.busy or not (self.queue or self.last):
             return False
         self.busy = True
         return True
@@ -204,9 +295,9 @@ class ReadyNotices:
     def take(self, request_id: str) -> LayersReady | None:
         """The next message to send, or None (and the sender stops) when nothing is left."""
         with self.lock:
-            if self.layers:
-                layers, self.layers = self.layers, []
-                return LayersReady(request_id, self.src_ids, layers)
+            if self.queue:
+                part, layers = self.queue.pop(0)
+                return LayersReady(request_id, layers=layers, **part)
             last, self.last = self.last, None
             self.busy = last is not None
             return last
@@ -214,7 +305,7 @@ class ReadyNotices:
     def close(self) -> None:
         """Tell nothing more (D aborted, or the request is forgotten)."""
         with self.lock:
-            self.closed, self.layers, self.last = True, [], None
+            self.closed, self.queue, self.last = True, [], None
 
 
 def fence_all(
