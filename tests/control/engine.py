@@ -164,7 +164,9 @@ def handle(
         return {"withdrawn": True}
     if name == "stream":  # P: layers of a request computed before publish (layer-wise push)
         ids = {int(k): v for k, v in cmd["block_ids"].items()}
-        return plane.stream(cmd["request_id"], cmd["token"], ids, cmd["layers"])
+        first = {int(k): v for k, v in (cmd.get("first") or {}).items()}
+        total = {int(k): v for k, v in (cmd.get("total") or {}).items()}
+        return plane.stream(cmd["request_id"], cmd["token"], ids, cmd["layers"], first, total)
     if name in ("pull", "push"):
         params = TransferParams.from_dict(cmd["params"])
         ids = {int(k): v for k, v in cmd["block_ids"].items()}

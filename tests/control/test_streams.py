@@ -419,3 +419,86 @@ def test_a_refused_layer_read_fails_the_pull_fenced(engines, transport):
     assert "layer-wise read could not start" in out["reason"], out["reason"]
     assert pair.d.call(cmd="held") == []
     pair.wait_released()  # D released its claim after fencing its reads
+
+
+# -- chunked prefill: each chunk's blocks stream as the chunk is computed ---------------------
+
+
+def chunk_parts(engine: EngineProcess, ids: dict[int, list[int]]) -> list[dict[str, Any]]:
+    """A prefill in two chunks, as vLLM's scheduler hands them to ``ControlPlane.stream``: the
+    blocks the first chunk completed, then the rest (the paged groups; the state goes at
+    publish)."""
+    paged = paged_ids(engine, ids)
+    cut = {g: len(b) // 2 for g, b in paged.items()}
+    total = {g: len(b) for g, b in paged.items()}
+    return [
+        {"block_ids": {g: b[: cut[g]] for g, b in paged.items()}, "first": {}, "total": total},
+        {"block_ids": {g: b[cut[g] :] for g, b in paged.items()}, "first": cut, "total": total},
+    ]
+
+
+def tail_only(engine: EngineProcess, ids: dict[int, list[int]], drop: int) -> dict[int, list]:
+    """D's ids when its own prefix cache holds the first ``drop`` blocks: it asks P for the
+    rest only (P's tail pairs with them)."""
+    kinds = {i: g.kind for i, g in engine.layout.groups.items()}
+    return {g: b if kinds[g] is GroupKind.STATE else b[drop:] for g, b in ids.items()}
+
+
+def test_a_chunked_prefill_pushes_each_chunk_as_computed(engines, transport):
+    p = engines("prefill", transport, seed=95, num_blocks=512)
+    d = engines("decode", transport, seed=96, num_blocks=512)
+    p_ids = BlockAllocator(p.layout, 5).request(TOKENS)
+    d_ids = tail_only(d, BlockAllocator(d.layout, 6).request(TOKENS), 2)
+    before = d.call(cmd="digest")
+    early_push(p, d, "s", d_ids, transport)
+    layers = paged_layers(p)
+    one, two = chunk_parts(p, p_ids)
+
+    def stream(part: dict[str, Any], names: list[str]) -> int:
+        return int(p.call(cmd="stream", request_id="s", token=TOKEN, layers=names, **part))
+
+    # the first chunk, every layer but the first (whose notice is lost: it goes whole at publish)
+    deadline = time.monotonic() + 30
+    while not (streamed := stream(one, layers[1:2])):  # the transport may still be connecting
+        assert time.monotonic() < deadline, "the first chunk's layer was never written"
+        time.sleep(0.05)
+    streamed += stream(one, layers[2:])
+    deadline = time.monotonic() + 30
+    while d.call(cmd="digest") == before:  # the first chunk lands before the prefill ends
+        assert time.monotonic() < deadline, "nothing of the first chunk landed in D"
+        time.sleep(0.05)
+    streamed += stream(two, layers)  # the last chunk, every layer
+    assert stream(two, layers) == 0  # a part's layer is written once
+    p.call(
+        cmd="publish", request_id="s", block_ids=p_ids, num_tokens=TOKENS, mode="push", token=TOKEN
+    )
+    out = d.call(cmd="wait", request_id="s", timeout=60)
+    assert out["ok"], out["reason"]
+    stats = out["stats"]
+    assert stats["streamed_nbytes"] == streamed and stats["streamed_parts"] == 2, stats
+    # the first layer again and the recurrent state went at publish
+    assert 0 < stats["streamed_nbytes"] < stats["nbytes"], stats
+    result = d.call(
+        cmd="verify", timeout=120, sources=[{"config": p.config, "pairs": [(p_ids, d_ids)]}]
+    )
+    assert result["ok"], result
+    assert p.call(cmd="leased") == []
+
+
+def test_a_chunked_prefill_is_read_chunk_by_chunk(engines, transport):
+    pair = PullPair.start(engines, transport, 97)
+    pair.d_ids = tail_only(pair.d, pair.d_ids, 3)
+    before = pair.ask_early()
+    names = paged_layers(pair.p)
+    one, two = chunk_parts(pair.p, pair.p_ids)
+    call = {"cmd": "stream", "request_id": "s", "token": TOKEN, "layers": names}
+    assert pair.p.call(**call, **one) == 0  # P writes nothing itself: D reads
+    pair.wait_read(before)  # D read the first chunk before P computed the second
+    pair.p.call(**call, **two)
+    pair.publish()
+    out = pair.d.call(cmd="wait", request_id="s", timeout=60)
+    assert out["ok"], out["reason"]
+    stats = out["stats"]
+    assert stats["streamed_parts"] == 2 and 0 < stats["streamed_nbytes"] < stats["nbytes"], stats
+    pair.check_bytes()
+    pair.wait_released()

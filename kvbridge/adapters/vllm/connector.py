@@ -89,6 +89,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0),
                 bool(getattr(g, "enable_kv_transfer", True)),
                 _window_blocks(g.kv_cache_spec),
+                int(getattr(g.kv_cache_spec, "block_size", 0) or 0),
             )
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         ]

@@ -32,6 +32,8 @@ TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 BYTES_BUCKETS = [float(2**e) for e in range(10, 35, 2)]
 #: Descriptors per transfer (after merging): 1 to 1 Mi, each 4 times the last.
 DESCRIPTOR_BUCKETS = [float(4**e) for e in range(11)]
+#: Prefill steps per layer-wise transfer: 1 to 64 chunks.
+PARTS_BUCKETS = [1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
@@ -81,6 +83,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                     "the prefill instance was still computing the request (layer-wise push or "
                     "pull; 0 for the others).",
                     [0.0, *BYTES_BUCKETS],
+                ),
+            ),
+            (
+                "streamed_parts",
+                self._histogram(
+                    "vllm:kvbridge_streamed_parts",
+                    "Of the transfers that moved bytes layer by layer, the prefill steps those "
+                    "bytes came in: 1 for a prefill done in one step, one per chunk of a chunked "
+                    "prefill (each chunk streams as it is computed).",
+                    PARTS_BUCKETS,
                 ),
             ),
             (

@@ -81,13 +81,20 @@ class PublishRequest:
 
 @dataclass
 class LayerwiseStep:
-    """P: a request whose prefill ends this step; each layer the step computes streams to D
-    (``ControlPlane.stream``) as soon as it is computed. Paged groups only: a recurrent state
-    is final only after the whole step and goes at publish."""
+    """P: a request of the concurrent dispatch whose prefill this step computes (a chunk of it,
+    or all); each layer the step computes streams to D (``ControlPlane.stream``) as soon as it
+    is computed. Paged groups only: a recurrent state is final only after the whole prefill
+    and goes at publish.
+
+    ``block_ids``: the blocks this step completed per group (its last step: every one left),
+    from position ``first`` of the group's blocks on, of the ``total`` it has once the prefill
+    ends (absent: from 0, all of them; ``kvbridge.control.streams.Part``)."""
 
     transfer_id: str
     token: str = field(repr=False)  # a credential: never logged
     block_ids: dict[int, list[int]] = field(default_factory=dict)
+    first: dict[int, int] = field(default_factory=dict)
+    total: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +136,8 @@ class GroupInfo:
     transfer: bool = True
     #: SLIDING_WINDOW: the blocks a window keeps (``sliding_window_blocks``)
     window_blocks: int | None = None
+    #: Tokens per block (0: unknown; then a chunked prefill streams only at its last step)
+    block_size: int = 0
 
 
 @dataclass
@@ -139,6 +148,8 @@ class _Layerwise:
     token: str
     prompt_tokens: int
     blocks: list[list[int]] = field(default_factory=list)
+    #: per group streamed by chunk, the position of the first block not streamed yet
+    streamed: dict[int, int] = field(default_factory=dict)
 
 
 def layerwise_of(params: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -436,29 +447,53 @@ class SchedulerState:
             if tracked is None:
                 continue
             added = cached.new_block_ids[i]
-            if rid in resumed:
+            if rid in resumed:  # preempted: its blocks are new, every chunk streams again
                 tracked.blocks = [list(b) for b in (added or ())]
+                tracked.streamed = {}
             elif added is not None:
                 if not tracked.blocks:
                     tracked.blocks = [[] for _ in added]
                 for group, ids in zip(tracked.blocks, added, strict=False):
                     group.extend(ids)
             seen.append((rid, int(cached.num_computed_tokens[i])))
-        kinds = {g.index: g.kind for g in self.groups}
         steps = []
         for rid, computed in seen:
             tracked = self._layerwise[rid]
-            if computed + int(scheduled.get(rid, 0)) < tracked.prompt_tokens:
-                continue  # an earlier chunk: its layers go with the last one
-            del self._layerwise[rid]
-            paged = {
-                g: ids
-                for g, ids in self.transfer_block_ids(tracked.blocks).items()
-                if ids and kinds[g] is not GroupKind.STATE
-            }
-            if paged:
-                steps.append(LayerwiseStep(tracked.transfer_id, tracked.token, paged))
+            step = self._layerwise_step(rid, tracked, computed + int(scheduled.get(rid, 0)))
+            if step is not None:
+                steps.append(step)
         return steps
+
+    def _layerwise_step(self, rid: str, tracked: _Layerwise, end: int) -> LayerwiseStep | None:
+        """What of a tracked request streams in a step that computes its prompt up to token
+        ``end``: the full-attention and MLA blocks it completed (an earlier chunk of a chunked
+        prefill), or every block left (its last step; a sliding window's whole then, as the
+        window has dropped what it will)."""
+        last = end >= tracked.prompt_tokens
+        if last:
+            del self._layerwise[rid]
+        held = self.transfer_block_ids(tracked.blocks) if last else {}
+        ids: dict[int, list[int]] = {}
+        first: dict[int, int] = {}
+        total: dict[int, int] = {}
+        for g in self.groups:
+            if not g.transfer or g.kind is GroupKind.STATE or g.index >= len(tracked.blocks):
+                continue
+            raw = tracked.blocks[g.index]
+            size = g.block_size
+            chunked = size > 0 and g.kind in (GroupKind.ATTENTION, GroupKind.MLA)
+            if chunked and NULL_BLOCK_ID not in raw:
+                n = -(-tracked.prompt_tokens // size)
+                lo = tracked.streamed.get(g.index, 0)
+                hi = n if last else min(end // size, n)
+                if hi > lo and len(raw) >= hi:
+                    ids[g.index], first[g.index], total[g.index] = raw[lo:hi], lo, n
+                    tracked.streamed[g.index] = hi
+            elif last and held.get(g.index):
+                ids[g.index] = held[g.index]
+        if not ids:
+            return None
+        return LayerwiseStep(tracked.transfer_id, tracked.token, ids, first, total)
 
     @property
     def has_pending_publish(self) -> bool:

@@ -24,12 +24,14 @@ SERIES = (
     "handshake_s",
     # of ``nbytes``, what moved layer by layer while P still computed (layer-wise push or pull)
     "streamed_nbytes",
+    # the prefill steps they came in (one per chunk of a chunked prefill; 0: nothing streamed)
+    "streamed_parts",
     # from P's answer to the last byte landed in D (0: P stamped no time)
     "landed_after_s",
 )
 #: Series where 0 means "nothing to measure": no handshake (a known peer), no time stamped by P;
 #: the log line and the histograms leave those zeros out.
-UNMEASURED_AT_ZERO = frozenset({"handshake_s", "landed_after_s"})
+UNMEASURED_AT_ZERO = frozenset({"handshake_s", "landed_after_s", "streamed_parts"})
 
 
 def measured(key: str, values: list[Any]) -> list[Any]:
@@ -158,6 +160,8 @@ class KVBridgeStats(KVConnectorStats):
         streamed = float(np.sum(self.data["streamed_nbytes"]))
         if streamed:
             out["streamed_MiB"] = round(streamed / 2**20, 3)
+            parts = measured("streamed_parts", self.data["streamed_parts"])
+            out["avg_streamed_parts"] = round(float(np.mean(parts)), 2) if parts else 0.0
         landed = measured("landed_after_s", self.data["landed_after_s"])
         if landed:
             out["avg_landed_after_prefill_ms"] = round(float(np.mean(landed)) * 1e3, 3)

@@ -163,16 +163,23 @@ class ConnectorWorker:
                 log.warning("kvbridge: release not sent (%s); P's lease frees it", err)
 
     def stream_layer(self, layer_name: str, steps: list[LayerwiseStep]) -> None:
-        """P, between two layers of the forward pass: write this layer of each request whose
-        prefill ends in this step to the decode ranks that asked for it (a layer its plan lacks
-        writes nothing). Never raises (the forward pass goes on; a failed write fails the push
-        at publish, fenced)."""
+        """P, between two layers of the forward pass: write this layer of the blocks each
+        request of the concurrent dispatch completed in this step to the decode ranks that asked
+        for it, or tell them (a layer its plan lacks writes nothing). Never raises (the forward
+        pass goes on; a failed write fails the push at publish, fenced)."""
         plane = self.plane
         if plane is None:
             return
         for step in steps:
             try:
-                plane.stream(step.transfer_id, step.token, step.block_ids, (layer_name,))
+                plane.stream(
+                    step.transfer_id,
+                    step.token,
+                    step.block_ids,
+                    (layer_name,),
+                    step.first,
+                    step.total,
+                )
             except Exception as err:
                 log.warning(
                     "kvbridge: layer %s of %s not streamed: %s", layer_name, step.transfer_id, err

@@ -15,7 +15,7 @@ from kvbridge.control.requests import Mode, RankAddress, TransferParams
 from kvbridge.core import GroupKind
 from tests.adapters.vllm.conftest import make_request
 
-HYBRID = [GroupInfo(0, GroupKind.ATTENTION), GroupInfo(1, GroupKind.STATE)]
+HYBRID = [GroupInfo(0, GroupKind.ATTENTION, block_size=32), GroupInfo(1, GroupKind.STATE)]
 WINDOWED = [
     GroupInfo(0, GroupKind.ATTENTION),
     GroupInfo(1, GroupKind.SLIDING_WINDOW, window_blocks=2),
@@ -47,19 +47,41 @@ def step_cached(req, new_block_ids, computed: int, scheduled: int) -> SchedulerO
     return out
 
 
-def test_p_streams_the_paged_layers_in_the_step_that_ends_the_prefill() -> None:
+def test_p_streams_each_chunk_of_a_chunked_prefill_as_it_is_computed() -> None:
     sched = state()
     req = make_request("r1", 100, {"do_remote_decode": True, LAYERWISE_KEY: dict(ROUTER)})
-    sched.on_new_request(req)  # N-1 = 99 tokens to prefill (a STATE group)
-    # chunked prefill: 64 tokens, then the other 35
-    first = sched.build_step(step_new(req, ([3, 4], [0]), 64))
-    assert first.layerwise == []
-    last = sched.build_step(step_cached(req, ([5, 6], [9]), 64, 35))
-    (step,) = last.layerwise
+    sched.on_new_request(req)  # N-1 = 99 tokens to prefill (a STATE group): 4 blocks of 32
+    # chunked prefill: 40 tokens (block 0 complete), 40 more (block 1), then the other 19
+    first = sched.build_step(step_new(req, ([3, 4], [0]), 40))
+    (step,) = first.layerwise
     assert step.transfer_id == "transfer-1" and step.token == ROUTER["token"]
-    assert step.block_ids == {0: [3, 4, 5, 6]}  # the STATE group goes at publish, once final
+    assert (step.block_ids, step.first, step.total) == ({0: [3]}, {0: 0}, {0: 4})
     assert "t" * 24 not in repr(step)  # a credential is never in a log line
+    (step,) = sched.build_step(step_cached(req, ([5],), 40, 40)).layerwise
+    assert (step.block_ids, step.first) == ({0: [4]}, {0: 1})  # block 2 is not complete yet
+    (step,) = sched.build_step(step_cached(req, ([6], [9]), 80, 19)).layerwise
+    # the last chunk: every block left; the STATE group goes at publish, once final
+    assert (step.block_ids, step.first, step.total) == ({0: [5, 6]}, {0: 2}, {0: 4})
     assert sched.build_step(step_cached(req, None, 99, 1)).layerwise == []  # streamed once
+
+
+def test_p_streams_a_one_step_prefill_whole_and_a_window_at_its_last_step() -> None:
+    groups = [GroupInfo(0, GroupKind.ATTENTION, block_size=32), *WINDOWED[1:]]
+    sched = state(groups)
+    req = make_request("r1", 100, {"do_remote_decode": True, LAYERWISE_KEY: dict(ROUTER)})
+    sched.on_new_request(req)
+    first = sched.build_step(step_new(req, ([3, 4], [7, 8]), 64))
+    assert [s.block_ids for s in first.layerwise] == [{0: [3, 4]}]  # the window waits
+    (step,) = sched.build_step(step_cached(req, ([5, 6], [9, 10]), 64, 36)).layerwise
+    # the window's blocks whole (the plan pairs its tail with what D asks for)
+    assert step.block_ids == {0: [5, 6], 1: [7, 8, 9, 10]}
+    assert (step.first, step.total) == ({0: 2}, {0: 4})
+    # one step, no chunks: the whole part (from 0, every block)
+    again = state()
+    one = make_request("r2", 100, {"do_remote_decode": True, LAYERWISE_KEY: dict(ROUTER)})
+    again.on_new_request(one)
+    (step,) = again.build_step(step_new(one, ([3, 4, 5, 6], [9]), 99)).layerwise
+    assert (step.block_ids, step.first, step.total) == ({0: [3, 4, 5, 6]}, {0: 0}, {0: 4})
 
 
 @pytest.mark.parametrize(("router_mode", "mode"), [(None, Mode.PUSH), ("pull", Mode.PULL)])

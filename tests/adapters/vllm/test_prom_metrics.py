@@ -107,7 +107,12 @@ def _port() -> int:
 
 
 def transfer(
-    seconds: float, nbytes: int, descriptors: int, handshake: float = 0.0, landed: float = 0.0
+    seconds: float,
+    nbytes: int,
+    descriptors: int,
+    handshake: float = 0.0,
+    landed: float = 0.0,
+    parts: int = 0,
 ) -> RequestStats:
     return RequestStats(
         transfer_s=seconds,
@@ -116,6 +121,8 @@ def transfer(
         descriptors_before_merge=2 * descriptors,
         handshake_s=handshake,
         landed_after_s=landed,
+        streamed_nbytes=nbytes if parts else 0,
+        streamed_parts=parts,
     )
 
 
@@ -123,7 +130,7 @@ def two_workers() -> dict[str, Any]:
     """One step of an engine with two TP workers, aggregated as vLLM's output aggregator does."""
     w0, w1 = KVBridgeStats(), KVBridgeStats()
     w0.record(transfer(0.004, 3 * KiB, 1, handshake=0.15, landed=0.03))
-    w0.record(transfer(0.02, 5 * MiB, 40))  # P stamped no time: no landed_after_s
+    w0.record(transfer(0.02, 5 * MiB, 40, parts=3))  # P stamped no time: no landed_after_s
     w1.record(transfer(3.0, 2 * GiB, 5000))
     w1.record_failure(RequestStats(fence_s=0.2))
     w1.record_unproven(1)
@@ -183,6 +190,11 @@ def test_prometheus_logger_exports_one_step(vllm_config: VllmConfig) -> None:
     # From P's answer to the last byte: only the transfer whose P stamped its answer.
     assert one("vllm:kvbridge_landed_after_prefill_seconds_count") == 1
     assert one("vllm:kvbridge_landed_after_prefill_seconds_sum") == pytest.approx(0.03)
+    # Layer by layer: the transfer that streamed, in the three chunks of its prefill.
+    assert one("vllm:kvbridge_streamed_parts_count") == 1
+    assert one("vllm:kvbridge_streamed_parts_bucket", le=2.0) == 0
+    assert one("vllm:kvbridge_streamed_parts_bucket", le=3.0) == 1
+    assert one("vllm:kvbridge_streamed_bytes_sum") == 5 * MiB
     counters = {
         "vllm:kvbridge_transfers_total": 3,
         "vllm:kvbridge_transfer_failures_total": 3,

@@ -108,6 +108,8 @@ class ModelCase:
 
 
 _LENGTHS = (45, 80, 130, 33, 64, 5)
+#: ``llama_chunked``'s prefill step: three chunks for the 130-token prompt, two for 80 and 64.
+CHUNK_TOKENS = 48
 #: serve_xpyd.IN_FLIGHT prompts, then its EDGE ones (no hit, partial hit, full hit, disconnect).
 _XPYD_LENGTHS = (5, 33, 64, 130, 1, 300, 47, 600) * 4 + (200, 200, 97, 150)
 #: bf16 cases: how far D's log-probs may lie from the single instance's (``ModelCase.bound``):
@@ -125,6 +127,13 @@ CASES = {
     c.name: c
     for c in (
         ModelCase("llama", "llama", "float32", _LENGTHS, repeat=1),
+        # Chunked prefill (every engine, the single instance too): at most CHUNK_TOKENS per
+        # step, not a multiple of the block, so chunks end inside blocks; layer-wise loads
+        # stream each chunk's completed blocks as the chunk is computed.
+        ModelCase(
+            "llama_chunked", "llama", "float32", _LENGTHS, repeat=1,
+            llm_options={"max_num_batched_tokens": CHUNK_TOKENS},
+        ),
         # xPyD behind the router (serve_xpyd): 32 prompts in flight, from one token to 600
         # (shorter than a block, across block boundaries), then its edge cases' prompts.
         ModelCase("llama_xpyd", "llama", "float32", _XPYD_LENGTHS, repeat=1),
@@ -197,6 +206,7 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     hits_before, bytes_before = _local_prefix_hits(llm), _loaded_bytes(llm)
     streamed_before = _streamed_bytes(llm)
     landed_before = _landed_after(llm)
+    parts_before = _streamed_parts(llm)
     t0 = time.perf_counter()
     rids = []
     for k, (ids, max_tokens, params, top2) in enumerate(requests):
@@ -233,11 +243,14 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     moved = _loaded_bytes(llm) - bytes_before
     streamed = _streamed_bytes(llm) - streamed_before
     landed = [now - then for now, then in zip(_landed_after(llm), landed_before, strict=True)]
+    parts = [now - then for now, then in zip(_streamed_parts(llm), parts_before, strict=True)]
     results = [_result(final[r], first.get(r), done[r], t0, hits, moved) for r in rids]
     for r in results:
         r["streamed_bytes"] = streamed
         # mean over the call's loads: from P's answer to the last byte landed
         r["landed_after_s"] = landed[0] / landed[1] if landed[1] else None
+        # mean over the call's layer-wise loads: the prefill steps their bytes came in
+        r["streamed_parts"] = parts[0] / parts[1] if parts[1] else 0
     return results
 
 
@@ -300,6 +313,12 @@ def _pending_pushes(worker: Any) -> list[str]:
 def _streamed_bytes(llm: Any) -> float:
     """Bytes P wrote layer by layer into this engine so far (layer-wise push)."""
     return float(sum(m.sum for m in llm.get_metrics() if m.name == "vllm:kvbridge_streamed_bytes"))  # type: ignore[attr-defined]
+
+
+def _streamed_parts(llm: Any) -> tuple[float, float]:
+    """This engine's histogram of the prefill steps each layer-wise load came in: (sum, count)."""
+    found = [m for m in llm.get_metrics() if m.name == "vllm:kvbridge_streamed_parts"]
+    return float(sum(m.sum for m in found)), float(sum(m.count for m in found))
 
 
 def _landed_after(llm: Any) -> tuple[float, float]:
@@ -759,7 +778,11 @@ def run_pair(
 
             learnt = p.generate(WARMUP_PROMPT, 1, {"do_remote_decode": True})
             prefill = prefill_address(learnt["kv_transfer_params"] or {})
+            # D loads it, so P holds nothing and can reset its prefix cache before each mode
+            d.generate(WARMUP_PROMPT, 1, dict(learnt["kv_transfer_params"]), top2=True)
         for mode in modes:
+            # P's may fail while it still holds a request D has not released: P then serves
+            # the mode's prompts partly from its cache (``p_cached``)
             p.reset_prefix_cache()
             d.reset_prefix_cache()
             for i, ids in enumerate(ref.prompts):
@@ -786,6 +809,7 @@ def run_pair(
                     else dec["num_cached_tokens"],
                     "d_loaded_bytes": dec["loaded_bytes"],
                     "d_streamed_bytes": dec["streamed_bytes"],
+                    "d_streamed_parts": dec["streamed_parts"],
                     "d_landed_after_s": dec["landed_after_s"],
                 }
                 results.append(r)
@@ -794,7 +818,8 @@ def run_pair(
                     f"match={r['match']} P {pre['total_s'] * 1e3:.0f} ms, D ttft "
                     f"{dec['ttft_s'] * 1e3:.0f} ms, D cached {dec['local_hit_tokens']} (P "
                     f"{r['p_cached']}), D loaded {dec['loaded_bytes']:.0f} B"
-                    f" ({dec['streamed_bytes']:.0f} B layer by layer)"
+                    f" ({dec['streamed_bytes']:.0f} B layer by layer, in"
+                    f" {dec['streamed_parts']:g} parts)"
                 )
                 if r["match"] != "exact":
                     log(f"    D:   {dec['token_ids']}\n    ref: {ref.tokens[i]}")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
-from tests.adapters.vllm.e2e.run_pd import LAYERWISE, MODES, Reference, run_pair
+from tests.adapters.vllm.e2e.run_pd import CHUNK_TOKENS, LAYERWISE, MODES, Reference, run_pair
 
 pytestmark = E2E
 
@@ -125,3 +125,48 @@ def test_pd_matches_single_instance(
     assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
     assert summary["p_frozen"]["match"] != "mismatch", "after P was frozen D's answer was wrong"
     assert summary["p_killed"]["match"] != "mismatch", "after P died D did not recompute correctly"
+
+
+def chunk_parts(prompt_tokens: int, block: int, cached: int, chunk: int = CHUNK_TOKENS) -> int:
+    """The parts a layer-wise load of a chunked prefill comes in: one per chunk that
+    completed a block, the last chunk always (it sends every block left); P computes from
+    its prefix-cache hit (``cached`` tokens) on."""
+    blocks, done, parts = -(-prompt_tokens // block), 0, 0
+    for end in range(cached + chunk, prompt_tokens + chunk, chunk):
+        upto = blocks if end >= prompt_tokens else min(end // block, blocks)
+        if upto > done:
+            parts, done = parts + 1, upto
+    return parts
+
+
+#: Chunked prefill on every engine: the whole-request pull beside both layer-wise modes.
+CHUNKED_MODES = ("pull", "layerwise", "layerwise-pull")
+
+
+@pytest.mark.timeout(900)
+def test_a_chunked_prefill_streams_each_chunk_and_matches(
+    reference: Callable[[str], Reference],
+) -> None:
+    ref = reference("llama_chunked")
+    summary = run_pair(
+        ref, "mooncake", modes=CHUNKED_MODES, port_p=5780, port_d=5880, kill_check=False,
+        freeze_check=False,
+    )  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "pd-llama_chunked-mooncake.json").write_text(json.dumps(summary, indent=1))
+    rows = summary["results"]
+    assert {r["mode"] for r in rows} == set(CHUNKED_MODES)
+    bad = [(r["mode"], r["prompt"]) for r in rows if r["match"] != "exact"]
+    assert not bad, f"D's tokens differ from the single instance's: {bad}"
+    check_layerwise("llama", rows)
+    block = ref.case.block_size or 0
+    loads = [r for r in rows if r["mode"] in LAYERWISE and r["d_loaded_bytes"]]
+    parts = {(r["mode"], r["prompt"]): r["d_streamed_parts"] for r in loads}
+    want = {
+        (r["mode"], r["prompt"]): chunk_parts(r["prompt_len"], block, r["p_cached"] or 0)
+        for r in loads
+    }
+    for mode in LAYERWISE:  # the prompts do span several chunks in both modes
+        assert max(n for (m, _), n in want.items() if m == mode) >= 3, want
+    assert parts == want, "the prefill steps each layer-wise load came in"
+    assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
