@@ -18,6 +18,10 @@
 #   KVB_INSECURE=1        allow a side channel other hosts reach without a secret (an isolated
 #                         test network only: without a secret any host that reaches the port can
 #                         claim, abort or push requests)
+#   KVB_BOOTSTRAP_PORT    prefill: serve vllm-router's mooncake mode (router.sh with
+#                         ROUTER_KV_CONNECTOR=mooncake): its bootstrap /query on this port of
+#                         KVBRIDGE_HOST; P and D then get each request at once and P's layers
+#                         stream to D as they are computed (in KVB_MODE)
 #   KVB_PREFILL_PEERS     decode only: prefill side channels host:port,host:port,... (each P's
 #                         KVBRIDGE_HOST and port; TP rank r: port + r) to handshake with at
 #                         start, so the first request from each needs no handshake
@@ -49,6 +53,7 @@ KVB_EXTRA=""
 [ -n "${KVB_MAX_HELD_REQUESTS:-}" ] && KVB_EXTRA+=", \"max_held_requests\": $KVB_MAX_HELD_REQUESTS"
 [ -n "${KVB_MAX_HELD_FRACTION:-}" ] && KVB_EXTRA+=", \"max_held_fraction\": $KVB_MAX_HELD_FRACTION"
 [ "${KVB_INSECURE:-0}" = 1 ] && KVB_EXTRA+=', "insecure": true'
+[ -n "${KVB_BOOTSTRAP_PORT:-}" ] && KVB_EXTRA+=", \"bootstrap_port\": $KVB_BOOTSTRAP_PORT"
 
 if [ -z "${KVBRIDGE_SECRET_FILE:-}${KVBRIDGE_SECRET:-}" ]; then
   case "$KVBRIDGE_HOST" in

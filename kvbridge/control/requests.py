@@ -106,6 +106,29 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except msgspec.ValidationError as err:
             raise MessageError("invalid", f"invalid transfer parameters: {err}") from None
 
+    @classmethod
+    def layerwise_of(
+        cls, address: Mapping[str, Any], request_id: str, token: str, mode: Mode
+    ) -> TransferParams:
+        """D's parameters in a concurrent dispatch: P's ``address`` (``ADDRESS_FIELDS`` of an
+        earlier answer of P's, or of its bootstrap ``/query``), the router's id and token, no
+        block ids (P has computed nothing yet)."""
+        return cls.from_dict(
+            {
+                **{k: address[k] for k in ADDRESS_FIELDS if k in address},
+                "request_id": request_id,
+                "block_ids": {},
+                "num_tokens": 0,
+                "mode": Mode(mode).value,
+                "token": token,
+                "layerwise": True,
+            }
+        )
+
+
+#: The fields of P's published parameters that name P (its rank 0, its TP ranks, its transport).
+ADDRESS_FIELDS = ("engine_id", "endpoint", "transport", "ranks")
+
 
 def rank_engine_id(engine_id: str, tp_rank: int, tp_size: int) -> str:
     """The engine id of one TP rank's control plane: every rank is its own peer to the other

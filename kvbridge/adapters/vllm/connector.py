@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvbridge.adapters.vllm.bootstrap import BootstrapServer, query_answer
 from kvbridge.adapters.vllm.layout import (
     group_kind,
 )
@@ -94,6 +95,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         ]
         self.scheduler: SchedulerState | None = None
+        self._bootstrap: BootstrapServer | None = None
         self._declined_seen = self._held_blocks_seen = 0  # what the last stats reported
         self._limit_sent = False
         #: The worker side's state; it opens its control plane at ``register_kv_caches``.
@@ -121,6 +123,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 mode=self.options.mode,
                 holds=HoldBudget(limits),
             )
+            if self.options.bootstrap_port is not None and ktc.is_kv_producer:
+                self._bootstrap = BootstrapServer(
+                    self.options.host,
+                    self.options.bootstrap_port,
+                    query_answer(self.engine_id, self.scheduler.prefill_address()),
+                )
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -270,3 +278,5 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+        if self._bootstrap is not None:
+            self._bootstrap.close()

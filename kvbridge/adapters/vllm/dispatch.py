@@ -29,10 +29,7 @@ from typing import Any
 
 from kvbridge.adapters.vllm.scheduler import LAYERWISE_KEY, PARAMS_KEY
 from kvbridge.control import auth
-from kvbridge.control.requests import Mode, TransferParams
-
-#: The fields of P's published parameters that name P (its rank 0, its TP ranks, its transport).
-ADDRESS_FIELDS = ("engine_id", "endpoint", "transport", "ranks")
+from kvbridge.control.requests import ADDRESS_FIELDS, Mode, TransferParams
 
 
 def prefill_address(kv_transfer_params: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -63,16 +60,6 @@ def concurrent_params(
         "do_remote_decode": True,
         LAYERWISE_KEY: {"id": transfer_id, "token": token, "mode": chosen.value},
     }
-    transfer = TransferParams.from_dict(
-        {
-            **{k: address[k] for k in ADDRESS_FIELDS if k in address},
-            "request_id": transfer_id,
-            "block_ids": {},
-            "num_tokens": 0,
-            "mode": chosen.value,
-            "token": token,
-            "layerwise": True,
-        }
-    )
+    transfer = TransferParams.layerwise_of(address, transfer_id, token, chosen)
     to_d = {"do_remote_prefill": True, PARAMS_KEY: transfer.to_dict()}
     return to_p, to_d

@@ -99,6 +99,11 @@ _OPTION_TYPES: dict[str, tuple[Any, Callable[[Any], bool] | None, str]] = {
         "a number in [0, 1] (the fraction of P's KV blocks held for decode at once)",
     ),
     "insecure": (bool, None, "true or false"),
+    "bootstrap_port": (
+        Annotated[int, msgspec.Meta(ge=1, le=65535)],
+        None,
+        "an integer 1-65535 (the port of P's bootstrap /query for vllm-router's mooncake mode)",
+    ),
     "prefill_peers": (
         tuple[_Text, ...],
         lambda v: all(_PEER.fullmatch(e) and 1 <= int(e.rsplit(":", 1)[1]) <= 65535 for e in v),
@@ -231,6 +236,9 @@ class Options:
     max_held_fraction: float = 0.5
     #: allow a side channel other hosts reach without a secret
     insecure: bool = False
+    #: P: serve vllm-router's ``--kv-connector mooncake`` mode: its bootstrap ``/query`` on
+    #: ``host``:this port (``kvbridge.adapters.vllm.bootstrap``); None: not served
+    bootstrap_port: int | None = None
 
     def __repr__(self) -> str:
         shown = (

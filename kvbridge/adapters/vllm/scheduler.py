@@ -18,10 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.adapters.vllm.bootstrap import BootstrapError, BootstrapLookups
 from kvbridge.control import auth
 from kvbridge.control.holds import HoldBudget
 from kvbridge.control.refusals import RefusalLog
-from kvbridge.control.requests import Mode, RankAddress, TransferParams
+from kvbridge.control.requests import ADDRESS_FIELDS, Mode, RankAddress, TransferParams
 from kvbridge.core.block_mapping import GroupBlockIds, held_block_ids, tail_block_ids
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
@@ -46,6 +47,10 @@ LAYERWISE_KEY = "kvbridge_layerwise"
 #: Bounds on the router's transfer id and token (the token must be as unguessable as P's own).
 _ID_MAX = 256
 _TOKEN_MIN = 16
+#: vllm-router's ``mooncake`` mode: its transfer id on both requests, and P's bootstrap address
+#: on D's (``kvbridge.adapters.vllm.bootstrap``)
+ROUTER_TRANSFER_KEY = "transfer_id"
+BOOTSTRAP_KEY = "remote_bootstrap_addr"
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -152,12 +157,23 @@ class _Layerwise:
     streamed: dict[int, int] = field(default_factory=dict)
 
 
+def router_transfer_id(params: Mapping[str, Any]) -> str | None:
+    """vllm-router's transfer id in its ``mooncake`` mode (kvbridge's own keys absent), if it
+    fits: it is the request's id and capability token there (``bootstrap``)."""
+    if LAYERWISE_KEY in params or PARAMS_KEY in params:
+        return None
+    tid = params.get(ROUTER_TRANSFER_KEY)
+    return tid if isinstance(tid, str) and _TOKEN_MIN <= len(tid) <= _ID_MAX else None
+
+
 def layerwise_of(params: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The router's ``(transfer id, token)`` on P's request, or ``None`` if absent or unfit
-    (then P serves the request as usual: published under its own id, with its own token)."""
+    """The router's ``(transfer id, token)`` on P's request (kvbridge's concurrent dispatch, or
+    vllm-router's ``mooncake`` mode), or ``None`` if absent or unfit (then P serves the request
+    as usual: published under its own id, with its own token)."""
     raw = params.get(LAYERWISE_KEY)
     if not isinstance(raw, Mapping):
-        return None
+        tid = router_transfer_id(params)
+        return (tid, tid) if tid is not None and params.get("do_remote_decode") else None
     tid, token = raw.get("id"), raw.get("token")
     if not isinstance(tid, str) or not isinstance(token, str):
         return None
@@ -216,6 +232,8 @@ class SchedulerState:
         self.foreign_params = 0
         #: P: requests of the concurrent dispatch not past their last prefill step, by vLLM id
         self._layerwise: dict[str, _Layerwise] = {}
+        #: D: P's addresses behind vllm-router's bootstrap addresses (its mooncake mode)
+        self.bootstrap = BootstrapLookups()
 
     # -- P: prompt truncation ---------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -252,12 +270,18 @@ class SchedulerState:
     # -- D: how much to load ----------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """Tokens D loads beyond its local hit, and whether asynchronously (always, when > 0)."""
+    ) -> tuple[int | None, bool]:
+        """Tokens D loads beyond its local hit, and whether asynchronously (always, when > 0);
+        None while P's address is being looked up (vllm-router's mooncake mode: vLLM asks
+        again at its next step)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or params.get(PROCESSED_KEY):
             return 0, False
         remote = _remote_params(params)
+        if remote is None and params.get(BOOTSTRAP_KEY) is not None:
+            if not self._from_bootstrap(request, params):
+                return (None, False) if not params.get(PROCESSED_KEY) else (0, False)
+            remote = _remote_params(params)
         if remote is None:
             self._foreign_params(request, params)
             return 0, False
@@ -268,18 +292,61 @@ class SchedulerState:
             count = min(count, max(0, remote.num_tokens - num_computed_tokens))
         return count, count > 0
 
+    def _from_bootstrap(self, request: Any, params: dict[str, Any]) -> bool:
+        """vllm-router's mooncake mode: D's kvbridge parameters from P's bootstrap ``/query``
+        (looked up once per P) and the router's transfer id; False while the lookup runs, or
+        (marked processed: D prefills the prompt) when it failed or the id does not fit."""
+        tid = router_transfer_id(params)
+        engine = params.get("remote_engine_id")
+        try:
+            if tid is None:
+                raise BootstrapError(f"{ROUTER_TRANSFER_KEY} missing or not a fitting string")
+            address = self.bootstrap.get(str(params[BOOTSTRAP_KEY]), engine)
+        except BootstrapError as err:
+            params[PROCESSED_KEY] = True
+            self.foreign_params += 1
+            log.error(
+                "request %s: vllm-router's mooncake mode: %s; decode prefills the whole prompt "
+                "itself (%d such requests since start)",
+                request.request_id,
+                err,
+                self.foreign_params,
+            )
+            return False
+        if address is None:
+            return False
+        mode = Mode(address.get("mode") or Mode.PULL.value)
+        params[PARAMS_KEY] = TransferParams.layerwise_of(address, tid, tid, mode).to_dict()
+        return True
+
+    def prefill_address(self) -> dict[str, Any]:
+        """P: what names it to a decode instance (engine id, side channel, TP ranks, transport)
+        and the mode it publishes in, as its answers' parameters carry them."""
+        params = TransferParams(
+            "-",
+            self.ranks[0].engine_id,
+            self.endpoint,
+            {},
+            0,
+            self.transport,
+            self.mode,
+            self.ranks if len(self.ranks) > 1 else [],
+        ).to_dict()
+        return {k: params[k] for k in (*ADDRESS_FIELDS, "mode")}
+
     def _foreign_params(self, request: Any, params: dict[str, Any]) -> None:
         """A request marked for a remote prefill whose parameters are not kvbridge's: D
         prefills all of it. Said once per request (vLLM asks again each step it waits), with a
-        count: a router that writes parameters of its own (vllm-router's ``mooncake`` mode) or
-        a P served by another connector would otherwise cost every prompt's prefill unseen."""
+        count: a router that writes parameters of its own or a P served by another connector
+        would otherwise cost every prompt's prefill unseen."""
         params[PROCESSED_KEY] = True
         self.foreign_params += 1
         log.error(
             "request %s: kv_transfer_params ask for a remote prefill but carry no kvbridge "
             "parameters (keys %s): decode prefills the whole prompt itself (%d such requests "
             "since start); route requests so that decode gets prefill's kv_transfer_params as "
-            "prefill returned them (vllm-router's default nixl P/D mode does)",
+            "prefill returned them (vllm-router's default nixl P/D mode does), or use its "
+            "mooncake mode with prefill's option bootstrap_port",
             request.request_id,
             sorted(params),
             self.foreign_params,
@@ -356,8 +423,8 @@ class SchedulerState:
         # The concurrent dispatch: D asked for a push or a layer-wise pull under the router's id
         # and token already (what D asked decides; the answer names the router's mode).
         transfer_id, token = layerwise or ("", auth.new_token())
-        if layerwise is not None:
-            mode = layerwise_mode(params)
+        if layerwise is not None:  # vllm-router's mooncake mode names none: P's own
+            mode = layerwise_mode(params) if LAYERWISE_KEY in params else self.mode
         transfer = TransferParams(
             transfer_id or request.request_id,
             self.ranks[0].engine_id,

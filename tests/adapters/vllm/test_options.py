@@ -109,6 +109,8 @@ BAD = [
     ("max_held_fraction", "half", "a number in [0, 1]"),
     ("insecure", "yes", "true or false"),
     ("insecure", 1, "true or false"),
+    ("bootstrap_port", 0, "an integer 1-65535 (the port of P's bootstrap /query"),
+    ("bootstrap_port", "8998", "an integer 1-65535"),
 ]
 
 

@@ -456,7 +456,15 @@ def start_pair(
         # Two namespaces are one node to UCX, which would read through CMA: TCP, as across hosts.
         deploy["KVB_TRANSPORT_OPTIONS"] = json.dumps({"ucx": {"TLS": "tcp"}})
     args = vllm_args(ref.case.dtype, ref.case.block_size is None)
-    http_p, http_d, http_proxy, side_p, side_d = free_ports(5)
+    http_p, http_d, http_proxy, side_p, side_d, boot = free_ports(6)
+    if layerwise and router == "vllm-router":
+        # vllm-router's mooncake mode: it asks P's bootstrap /query at start, then sends each
+        # request to P and D at once (router.sh, common.sh)
+        deploy.update(
+            KVB_BOOTSTRAP_PORT=str(boot),
+            ROUTER_KV_CONNECTOR="mooncake",
+            PREFILL_BOOTSTRAP_PORTS=str(boot),
+        )
     if hosts is None:
         env = _env(
             None,
@@ -700,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--work-dir", help="model and logs here (kept); default: a temp dir")
     ap.add_argument("--json", help="write the summary here")
+    ap.add_argument("--router", default="kvbridge-proxy", choices=["kvbridge-proxy", "vllm-router"])
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvb-models-") as models:
         ref = build_reference(CASES[a.model], Path(models), a.max_tokens)
@@ -709,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             mode=a.mode,
             max_tokens=a.max_tokens,
             work_dir=a.work_dir,
+            router=a.router,
         )
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=1))
