@@ -15,7 +15,9 @@ Layer-wise transfer (issue 29): ``kvbridge-<transport>-layerwise`` puts kvbridge
 concurrent dispatch in front (P and D get each request at once, P writes each layer into D as
 it is computed; vllm-router cannot dispatch that way), ``-layerwise-pull`` the same dispatch
 with P's mode pull (P tells D each computed layer, D reads it), ``kvbridge-<transport>-push`` is the
-whole-request push behind vllm-router, and ``single`` is one instance without a connector: its
+whole-request push behind vllm-router, ``-layerwise-router``/``-layerwise-pull-router`` the
+same layer-wise modes dispatched by vllm-router itself in its ``mooncake`` mode (P answers its
+bootstrap ``/query``), and ``single`` is one instance without a connector: its
 TTFT is a prefill plus a first decode step, the limit no P/D split can beat. ``--input-lens``
 sweeps the prompt length; with ``--max-concurrency 1`` each TTFT is one request's, unqueued.
 ``--kv-heavy`` serves a model shape with many KV heads on a narrow hidden size (64 KiB of KV
@@ -83,6 +85,8 @@ CONNECTORS = (
     "kvbridge-mooncake-layerwise-pull",
     "kvbridge-nixl-layerwise-pull",
     "kvbridge-cma-layerwise-pull",
+    "kvbridge-mooncake-layerwise-router",
+    "kvbridge-mooncake-layerwise-pull-router",
     "single",
 )
 #: The ``--kv-heavy`` model: 16 KV heads of 64 on a hidden size of 64, 8 layers, float32.
@@ -133,7 +137,7 @@ def start(
     """P, D and the router in front for ``connector``: the servers, the URL clients use and
     D's (whose ``/metrics`` tell when each request's last byte landed). Each engine gets
     ``kv_cache_gib`` of KV cache (``VLLM_CPU_KVCACHE_SPACE``)."""
-    http_p, http_d, http_r, side_p, side_d = free_ports(5)
+    http_p, http_d, http_r, side_p, side_d, boot = free_ports(6)
     kv_space = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     args = vllm_args("float32", hybrid=False)
     args[args.index("--max-model-len") + 1] = str(max_model_len)
@@ -143,9 +147,11 @@ def start(
         servers.append(Server("single", argv, work / "single.log", _env("0", **kv_space)))
         wait_healthy(servers, f"http://127.0.0.1:{http_d}/health", time.perf_counter() + 300)
         return servers, f"http://127.0.0.1:{http_d}", f"http://127.0.0.1:{http_d}"
-    layerwise = False
+    layerwise = by_router = False
     if connector.startswith("kvbridge-"):
         transport, mode = kvbridge_parts(connector)
+        by_router = mode.endswith("-router")  # vllm-router's mooncake mode dispatches
+        mode = mode.removesuffix("-router")
         layerwise = mode.startswith("layerwise")
         secret = work / "secret"
         secret.write_text(uuid.uuid4().hex + "\n")
@@ -153,6 +159,8 @@ def start(
         # the concurrent dispatch moves layers in P's mode: push, or pull for -layerwise-pull
         deploy_mode = {"layerwise": "push", "layerwise-pull": "pull"}.get(mode, mode)
         deploy = deploy_vars(str(model), transport, deploy_mode, secret)
+        if by_router:
+            deploy["KVB_BOOTSTRAP_PORT"] = str(boot)
         for name, script, core, http, side in (
             ("prefill", "prefill.sh", "0", http_p, side_p),
             ("decode", "decode.sh", "1", http_d, side_d),
@@ -184,6 +192,9 @@ def start(
             )
             argv = api_server(model, http, ["--kv-transfer-config", config, *args])
             servers.append(Server(name, argv, work / f"{connector}-{name}.log", env))
+    by_router_env = {"ROUTER_KV_CONNECTOR": "mooncake", "PREFILL_BOOTSTRAP_PORTS": str(boot)}
+    if not by_router:
+        by_router_env = {}
     router_env = _env(
         None,
         PREFILL_URLS=f"http://127.0.0.1:{http_p}",
@@ -193,9 +204,12 @@ def start(
         PROXY_HOST="127.0.0.1",
         PROXY_PORT=str(http_r),
         VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
+        **by_router_env,
     )
-    # vllm-router dispatches P then D; the concurrent dispatch is kvbridge's proxy's.
-    front = ["proxy.sh", "--dispatch", "concurrent"] if layerwise else ["router.sh"]
+    # vllm-router dispatches P then D, or both at once in its mooncake mode; else the
+    # concurrent dispatch is kvbridge's proxy's.
+    concurrent = layerwise and not by_router
+    front = ["proxy.sh", "--dispatch", "concurrent"] if concurrent else ["router.sh"]
     servers.append(
         Server(
             "router",
@@ -277,10 +291,36 @@ def bench(
 LANDED = "vllm:kvbridge_landed_after_prefill_seconds"
 
 
-def landed_after(decode_url: str) -> tuple[float, float]:
-    """D's ``LANDED`` histogram so far: (sum of seconds, count)."""
+#: D's bytes loaded, of those the ones moved layer by layer, and the prefill steps they came in.
+LOADED, STREAMED, PARTS = (
+    "vllm:kvbridge_transfer_bytes",
+    "vllm:kvbridge_streamed_bytes",
+    "vllm:kvbridge_streamed_parts",
+)
+
+
+def decode_counts(decode_url: str) -> dict[str, float]:
+    """D's kvbridge histograms so far (sums and counts), to difference around a run."""
     m = scrape(decode_url)
-    return m.get(f"{LANDED}_sum", 0.0), m.get(f"{LANDED}_count", 0.0)
+    return {
+        f"{name}_{part}": m.get(f"{name}_{part}", 0.0)
+        for name in (LANDED, LOADED, STREAMED, PARTS)
+        for part in ("sum", "count")
+    }
+
+
+def decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A run's means from D's histograms: when the last byte landed after P's answer, the share
+    of the bytes that moved layer by layer, and the prefill steps those came in."""
+    d = {k: after[k] - before[k] for k in after}
+    out: dict[str, float] = {}
+    if d[f"{LANDED}_count"]:
+        out["landed_after_ms"] = d[f"{LANDED}_sum"] / d[f"{LANDED}_count"] * 1e3
+    if d[f"{LOADED}_sum"]:
+        out["streamed_share"] = d[f"{STREAMED}_sum"] / d[f"{LOADED}_sum"]
+    if d[f"{PARTS}_count"]:
+        out["streamed_parts"] = d[f"{PARTS}_sum"] / d[f"{PARTS}_count"]
+    return out
 
 
 COLUMNS = [
@@ -292,7 +332,7 @@ COLUMNS = [
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per connector, prompt length and rate."""
     head = ["connector", "input", "rate (req/s)", *(f"{t} (ms)" for t, _ in COLUMNS)]
-    head += ["TTFT p50 / single", "last byte after P (ms)", "req/s", "failed"]
+    head += ["TTFT p50 / single", "last byte after P (ms)", "layer by layer", "req/s", "failed"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     # The limit: one instance's p50 TTFT at the same prompt length and rate, when it ran.
     single = {
@@ -308,6 +348,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         cells.append(f"{r['result']['p50_ttft_ms'] / limit:.2f}" if limit else "")
         landed = r.get("landed_after_ms")
         cells.append(f"{landed:.1f}" if landed is not None else "")
+        share, parts = r.get("streamed_share"), r.get("streamed_parts")
+        streamed = "" if share is None else f"{share:.0%}"
+        cells.append(streamed + (f" in {parts:.1f} parts" if parts else ""))
         cells += [f"{r['result']['request_throughput']:.2f}", str(r["result"].get("failed", 0))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -332,11 +375,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for n, connector in enumerate(dict.fromkeys(r["connector"] for r in rows)):
         mine = {r[key]: r["result"][metric] for r in rows if r["connector"] == connector}
         ys = [mine.get(x, float("nan")) / (limit[x] if ratio else 1.0) for x in xs]
+        name = connector.removesuffix("-router")
         style = (
             "-."
-            if connector.endswith("-layerwise-pull")
+            if name.endswith("-layerwise-pull")
             else ":"
-            if connector.endswith("-layerwise")
+            if name.endswith("-layerwise")
             else "--"
             if "-push" in connector
             else "-"
@@ -386,18 +430,15 @@ def main(argv: list[str] | None = None) -> int:
                 for input_len in lens:
                     for rate in a.rates:
                         out = work / f"{connector}-{input_len}-{rate:g}.json"
-                        before = landed_after(decode_url) if ours else (0.0, 0.0)
+                        before = decode_counts(decode_url) if ours else {}
                         result = bench(url, model, rate, a, out, input_len)
                         row: dict[str, Any] = {
                             "connector": connector,
                             "input_len": input_len,
                             "rate": rate,
                         }
-                        if ours:  # mean over the run's requests, from D's histogram
-                            after = landed_after(decode_url)
-                            count = after[1] - before[1]
-                            if count:
-                                row["landed_after_ms"] = (after[0] - before[0]) / count * 1e3
+                        if ours:  # means over the run's requests, from D's histograms
+                            row.update(decode_figures(before, decode_counts(decode_url)))
                         rows.append({**row, "result": result})
                         print(table(rows[-1:]).splitlines()[-1], flush=True)
             except Exception:
