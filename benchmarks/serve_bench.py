@@ -32,7 +32,8 @@ Writes ``serve_bench.json`` (every run's vLLM result, less the per-request lists
 markdown table of TTFT, TPOT and end-to-end latency p50/p99, p50 TTFT as a ratio to
 ``single``'s (when it ran), when D's last byte landed after P's answer (kvbridge's
 ``vllm:kvbridge_landed_after_prefill_seconds`` on D, mean per run), request throughput and failed
-requests; ``--plot`` also draws p99 TTFT against the request rate (matplotlib, the ``bench``
+requests. Prefix caching is off on every engine, so each TTFT is a cold prefill of the whole
+prompt. ``--plot`` also draws p99 TTFT against the request rate (matplotlib, the ``bench``
 extra). The tiny test model (``tests/adapters/vllm/e2e/models.py``) and the launch helpers of
 the end-to-end tests are used, so it runs from a checkout on a CPU machine.
 """
@@ -141,6 +142,10 @@ def start(
     kv_space = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     args = vllm_args("float32", hybrid=False)
     args[args.index("--max-model-len") + 1] = str(max_model_len)
+    # Every prompt computed whole: vLLM's random prompts of one seed begin alike across
+    # lengths, and `vllm bench serve` sends the first prompt once before the run, so a prefix
+    # cache (on P, D and the single instance alike) would serve part of each prompt.
+    args.append("--no-enable-prefix-caching")
     servers = []
     if connector == "single":  # one instance on one core (as P prefills), no connector: the limit
         argv = api_server(model, http_d, args)

@@ -20,8 +20,7 @@
 #                         claim, abort or push requests)
 #   KVB_BOOTSTRAP_PORT    prefill: serve vllm-router's mooncake mode (router.sh with
 #                         ROUTER_KV_CONNECTOR=mooncake): its bootstrap /query on this port of
-#                         KVBRIDGE_HOST; P and D then get each request at once and P's layers
-#                         stream to D as they are computed (in KVB_MODE)
+#                         KVBRIDGE_HOST, which names P's side channel to D
 #   KVB_PREFILL_PEERS     decode only: prefill side channels host:port,host:port,... (each P's
 #                         KVBRIDGE_HOST and port; TP rank r: port + r) to handshake with at
 #                         start, so the first request from each needs no handshake

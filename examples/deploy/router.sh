@@ -5,10 +5,11 @@
 # request with P's kv_transfer_params (its default, nixl-style P/D mode; kvbridge needs no
 # --kv-connector setting). It replaces the client's kv_transfer_params, so pull or push is
 # P's `mode` option (KVB_MODE), not a per-request choice.
-# ROUTER_KV_CONNECTOR=mooncake: the router's mooncake mode instead: it sends each request to P
-# and D at once and P's layers stream to D while P computes (layer-wise, in P's KVB_MODE); each
-# prefill serves a bootstrap /query (its KVB_BOOTSTRAP_PORT), named in PREFILL_BOOTSTRAP_PORTS
-# (space-separated, in PREFILL_URLS' order; the router asks each at start).
+# ROUTER_KV_CONNECTOR=mooncake: the router's mooncake mode instead: D's parameters come from P's
+# bootstrap /query (each prefill's KVB_BOOTSTRAP_PORT, named in PREFILL_BOOTSTRAP_PORTS:
+# space-separated, in PREFILL_URLS' order; the router asks each at start) and a transfer id of
+# the router's. vllm-router 0.1.17 sends D the request after P answered, so D reads the KV
+# whole; for layer-wise streaming (P and D at once) use proxy.sh --dispatch concurrent.
 # PREFILL_URLS / DECODE_URLS: space-separated servers (defaults: this host's 8100 and 8200);
 # ROUTER_HOST (default 0.0.0.0), ROUTER_PORT (default 8000), ROUTER_POLICY (round_robin);
 # VLLM_ROUTER the command (default vllm-router: `pip install vllm-router==0.1.17`, or

@@ -49,7 +49,7 @@ from kvbridge.control.requests import (
     forget_expired,
 )
 from kvbridge.control.streams import Part, PushKey, ReadyNotices, Stream, fence_all
-from kvbridge.control.transfers import RankPart, Transfers, plan_digest
+from kvbridge.control.transfers import RankPart, Transfers, pair_digest, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
@@ -620,12 +620,13 @@ class Leases:
             value = None
             if check is not Verify.OFF and plan is not None:
                 # D digests its whole plan: the same descriptors, not the cut by layer.
-                whole = (
-                    plan_tp_pair(ctx.layout, remote.layout, src_ids, block_ids)
-                    if stream is not None
-                    else plan
+                value = (
+                    plan_digest(plan, "src", check, rid)
+                    if stream is None
+                    else pair_digest(
+                        ctx.layout, remote.layout, src_ids, block_ids, "src", check, rid
+                    )
                 )
-                value = plan_digest(whole, "src", check, rid) if whole is not None else None
             # D plans its check with P's ids, and permutes what it received by them (a layout
             # of another cell order): a D that asked early never had them.
             source = dict(src_ids) if value is not None or early else None

@@ -45,7 +45,7 @@ from kvbridge.control.requests import (
     timed,
 )
 from kvbridge.control.streams import Part, Stream
-from kvbridge.control.transfers import RankPart, Transfers, plan_digest
+from kvbridge.control.transfers import RankPart, Transfers, pair_digest, plan_digest
 from kvbridge.core.errors import (
     ControlError,
     IntegrityError,
@@ -216,7 +216,10 @@ class Loads:
             waiting = [
                 p
                 for p in self._pending.values()
-                if p.deadline < now and p.params.layerwise and p.params.mode is Mode.PULL
+                if p.deadline < now
+                and p.params.layerwise
+                and p.params.mode is Mode.PULL
+                and not p.finishing  # already reading the rest, or fencing
             ]
             forget_expired(self._aborted, now, lambda until: until)
         for pending in late:
@@ -622,10 +625,9 @@ class Loads:
             if not source and pending.source_ids is not None:
                 # The concurrent dispatch: D learns P's ids only now, from P.
                 source = checked_ids(part.remote.layout, pending.source_ids, "source")
-            plan = plan_tp_pair(part.remote.layout, ctx.layout, source, pending.block_ids)
-            mine = None
-            if plan is not None:
-                mine = plan_digest(plan, "dst", ctx.verify, rid)
+            mine = pair_digest(
+                part.remote.layout, ctx.layout, source, pending.block_ids, "dst", ctx.verify, rid
+            )
         except Exception as err:
             self._end_part(part, False, f"integrity check could not run: {err}")
             return

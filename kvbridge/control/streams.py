@@ -34,6 +34,7 @@ from kvbridge.control.messages import LayersReady
 from kvbridge.control.requests import RequestStats, checked_ids
 from kvbridge.control.transfers import Transfers
 from kvbridge.core.block_mapping import CheckedBlockIds
+from kvbridge.core.errors import KvbridgeError
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
@@ -116,8 +117,8 @@ class Stream:
 
         ``part.block_ids``: P's, as the engine hands them or as P said them (checked here
         against P's layout; ``MessageError`` before anything moves when they do not fit). Plans
-        once per part. If P's ids of a position already seen changed, every layer is sent again
-        from the new ids (a later transfer would overwrite those blocks with the same bytes).
+        once per part. Raises ``KvbridgeError`` if P's id of a position already seen changed
+        (the caller fails the transfer, fenced).
         """
         if part.block_ids is not self._src_obj:
             self._plan_part(ctx, part, dst_ids)
@@ -144,9 +145,13 @@ class Stream:
             first = int(part.first.get(g, 0))
             total = int(part.total.get(g, first + len(ids)))
             if not self._remember(g, first, ids, total):
-                log.warning("stream of a request: prefill's block ids changed; sending again")
-                self.src_ids, self.covered, self._from = {}, {}, {}
-                self._remember(g, first, ids, total)
+                # Preempted and computed again in other blocks: a write from the old ones may
+                # still be on its way while they hold another request's bytes, so the transfer
+                # fails (fenced: every write is waited for) and D computes the prompt.
+                raise KvbridgeError(
+                    f"prefill's block ids of group {g} changed while streaming (the request was "
+                    "preempted and computed again)"
+                )
             if first == 0 and total == len(ids):  # every block: paired as a whole transfer is
                 whole.append(g)
                 self._span[g] = (0, total, True)

@@ -69,6 +69,21 @@ def plan_digest(
     return digest(addrs, plan.lengths, chosen(plan.count, check, request_id))
 
 
+def pair_digest(
+    src: Layout,
+    dst: Layout,
+    src_ids: BlockIds,
+    dst_ids: BlockIds,
+    side: Literal["src", "dst"],
+    check: Verify,
+    request_id: str,
+) -> int | None:
+    """``plan_digest`` of the pair's whole plan (not cut by layer), which both sides make alike
+    whatever plan the bytes moved by; None when the pair moves nothing."""
+    plan = plan_tp_pair(src, dst, src_ids, dst_ids)
+    return None if plan is None else plan_digest(plan, side, check, request_id)
+
+
 class Transfers:
     """The transfer steps both sides share, on the plane's transport and under its lock."""
 

@@ -502,3 +502,29 @@ def test_a_chunked_prefill_is_read_chunk_by_chunk(engines, transport):
     assert stats["streamed_parts"] == 2 and 0 < stats["streamed_nbytes"] < stats["nbytes"], stats
     pair.check_bytes()
     pair.wait_released()
+
+
+def test_a_stream_whose_blocks_change_fails_fenced(engines, transport):
+    # P preempted mid-prefill and computing the request again in other blocks: a write from
+    # the old blocks may still be on its way, so the push fails (fenced) and D computes it
+    p = engines("prefill", transport, seed=98, num_blocks=512)
+    d = engines("decode", transport, seed=99, num_blocks=512)
+    alloc = BlockAllocator(p.layout, 7)
+    p_ids, again = alloc.request(TOKENS), alloc.request(TOKENS)
+    d_ids = BlockAllocator(d.layout, 8).request(TOKENS)
+    early_push(p, d, "s", d_ids, transport)
+    layers = paged_layers(p)
+    one = chunk_parts(p, p_ids)[0]
+    deadline = time.monotonic() + 30
+    while not p.call(cmd="stream", request_id="s", token=TOKEN, layers=layers, **one):
+        assert time.monotonic() < deadline, "the first chunk was never written"
+        time.sleep(0.05)
+    moved = chunk_parts(p, again)[0]  # the same positions, other blocks
+    assert p.call(cmd="stream", request_id="s", token=TOKEN, layers=layers, **moved) == 0
+    p.call(
+        cmd="publish", request_id="s", block_ids=again, num_tokens=TOKENS, mode="push", token=TOKEN
+    )
+    out = d.call(cmd="wait", request_id="s", timeout=60)
+    assert not out["ok"] and "changed while streaming" in out["reason"], out
+    assert d.call(cmd="held") == []
+    assert p.call(cmd="leased") == []

@@ -1,9 +1,10 @@
-"""vllm-router's ``--kv-connector mooncake`` mode: the concurrent dispatch driven by the router.
+"""vllm-router's ``--kv-connector mooncake`` mode, served by kvbridge's concurrent dispatch.
 
 In that mode vllm-router (the mode vLLM's MooncakeConnector uses) asks each prefill's bootstrap
 server ``GET http://<P host>:<bootstrap port>/query`` once at start for P's engine id per
-data-parallel rank, then sends every request to P and D at once with one transfer id of its own
-(``xfer-<uuid4>``):
+data-parallel rank, then gives every request one transfer id of its own (``xfer-<uuid4>``) and
+sends it to P and then to D (vllm-router 0.1.17 sends D the request once P answered; D's
+parameters do not depend on P's answer, so a router may as well send both at once):
 
 - to P: ``{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": X}``;
 - to D: ``{"do_remote_prefill": true, "transfer_id": X, "remote_bootstrap_addr":
@@ -18,7 +19,9 @@ kvbridge serves it as its own concurrent dispatch (``kvbridge.adapters.vllm.disp
 - P publishes the request under the router's transfer id and streams its layers;
 - D looks P's address up at the bootstrap address the router names (``BootstrapLookups``: once
   per address, off the scheduler's thread; the request waits meanwhile) and asks P for the
-  layer-wise transfer in P's mode, as if kvbridge's proxy had dispatched it.
+  layer-wise transfer in P's mode, as if kvbridge's proxy had dispatched it. D's request reaches
+  P while P computes the prompt only when the router sends both at once; after P's answer, P
+  answers it with the published request and D reads it whole, as a whole-request pull.
 
 The router makes no capability token, so the transfer id is the token: it is a random UUID only
 the router, P and D see (the side channel's secret still authenticates P and D to each other).

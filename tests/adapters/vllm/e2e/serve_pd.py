@@ -458,8 +458,8 @@ def start_pair(
     args = vllm_args(ref.case.dtype, ref.case.block_size is None)
     http_p, http_d, http_proxy, side_p, side_d, boot = free_ports(6)
     if layerwise and router == "vllm-router":
-        # vllm-router's mooncake mode: it asks P's bootstrap /query at start, then sends each
-        # request to P and D at once (router.sh, common.sh)
+        # vllm-router's mooncake mode: it asks P's bootstrap /query at start, then gives P and
+        # D a transfer id of its own (router.sh, common.sh)
         deploy.update(
             KVB_BOOTSTRAP_PORT=str(boot),
             ROUTER_KV_CONNECTOR="mooncake",

@@ -44,8 +44,8 @@ def check(summary: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(600)
 # Mooncake pull behind the router: test_xpyd (two P, two D); here the other two transports.
-# Layer-wise pull behind the router's own concurrent dispatch (its mooncake mode: P answers its
-# bootstrap /query), over Mooncake.
+# The router's mooncake mode (P answers its bootstrap /query, D's parameters come from it and the
+# router's transfer id: kvbridge's concurrent dispatch in pull mode), over Mooncake.
 @pytest.mark.parametrize(
     ("transport", "mode"), [("nixl", "push"), ("cma", "pull"), ("mooncake", "layerwise-pull")]
 )
@@ -70,8 +70,8 @@ def test_served_pd_behind_vllm_router_matches_single_instance(
     assert summary["stats"]["transfers"] >= len(summary["results"]) + 2 + len(summary["chats"])
     if mode == "layerwise-pull":
         # Every answer came from P's KV (check: D loaded each; without kvbridge's parameters
-        # from P's bootstrap D would have computed them). How much moved before P's last layer
-        # depends on who was quicker, D's request or P's forward pass: reported.
+        # from P's bootstrap D would have computed them). vllm-router 0.1.17 sends D the request
+        # after P answered, so D reads it whole: reported.
         print(
             f"router mooncake mode: {summary['stats']['streamed_MiB']:.3f} MiB of "
             f"{summary['stats']['MiB']:.3f} MiB moved layer by layer"

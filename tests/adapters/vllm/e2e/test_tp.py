@@ -25,7 +25,8 @@ pytestmark = E2E
 
 #: (model, transport, mode, P's TP size, D's TP size): both directions, dense, MLA, the GDN
 #: hybrid (dense P TP 2 -> D TP 1 runs rank by rank in tests/control/test_tp.py). Each pair
-#: also runs every prompt layer-wise (the concurrent dispatch, P's ranks streaming to D's).
+#: also runs every prompt layer-wise (the concurrent dispatch, P's ranks streaming to D's; the
+#: TP 2 P in both layer-wise modes).
 RUNS = [
     ("llama", "mooncake", "pull", 1, 2),
     ("deepseek_mla", "nixl", "push", 2, 1),
@@ -69,11 +70,17 @@ def test_tp_pair_matches_single_instance_at_d_tp(
     ref = reference(name, tp=tp_d)
     port_p = consecutive_free_ports(tp_p, 6200)
     port_d = consecutive_free_ports(tp_d, port_p + 10)
+    # the layer-wise dispatch in the same mode (P writes each layer, or D reads it); from a TP 2
+    # P in both (each of P's ranks streams its slice to D's one rank)
+    layerwise = (
+        ("layerwise", "layerwise-pull")
+        if tp_p > 1
+        else (("layerwise",) if mode == "push" else ("layerwise-pull",))
+    )
     summary = run_pair(
         ref,
         transport,
-        # the layer-wise dispatch in the same mode: P writes each layer, or D reads it
-        modes=(mode, "layerwise" if mode == "push" else "layerwise-pull"),
+        modes=(mode, *layerwise),
         port_p=port_p,
         port_d=port_d,
         kill_check=False,
@@ -86,7 +93,7 @@ def test_tp_pair_matches_single_instance_at_d_tp(
         json.dumps(summary, indent=1)
     )
     rows = summary["results"]
-    assert len(rows) == 2 * len(ref.prompts)
+    assert len(rows) == (1 + len(layerwise)) * len(ref.prompts)
     check_layerwise(name, rows)
     check_landed(rows)
     bad = [(r["prompt"], r["d_tokens"], r["ref_tokens"]) for r in rows if r["match"] == "mismatch"]
