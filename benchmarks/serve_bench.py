@@ -211,8 +211,8 @@ def start(
         VLLM_ROUTER=str(Path(sys.executable).parent / "vllm-router"),
         **by_router_env,
     )
-    # vllm-router dispatches P then D, or both at once in its mooncake mode; else the
-    # concurrent dispatch is kvbridge's proxy's.
+    # vllm-router dispatches P then D (in its mooncake mode too: 0.1.17 sends D the request
+    # after P's answer); the concurrent dispatch is kvbridge's proxy's.
     concurrent = layerwise and not by_router
     front = ["proxy.sh", "--dispatch", "concurrent"] if concurrent else ["router.sh"]
     servers.append(
