@@ -130,6 +130,12 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 ADDRESS_FIELDS = ("engine_id", "endpoint", "transport", "ranks")
 
 
+def address_of(params: Mapping[str, Any]) -> dict[str, Any]:
+    """What of P's published parameters ``params`` names P (``ADDRESS_FIELDS``) and the mode it
+    publishes in: what a concurrent dispatch gives D before P has computed anything."""
+    return {name: params[name] for name in (*ADDRESS_FIELDS, "mode") if name in params}
+
+
 def rank_engine_id(engine_id: str, tp_rank: int, tp_size: int) -> str:
     """The engine id of one TP rank's control plane: every rank is its own peer to the other
     side (its own transport connection and leases); TP 1 keeps the engine's id."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvbridge.adapters.vllm.scheduler import LAYERWISE_KEY, PARAMS_KEY
 from kvbridge.control import auth
-from kvbridge.control.requests import ADDRESS_FIELDS, Mode, TransferParams
+from kvbridge.control.requests import Mode, TransferParams, address_of
 
 
 def prefill_address(kv_transfer_params: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -43,7 +43,7 @@ def prefill_address(kv_transfer_params: Mapping[str, Any]) -> dict[str, Any] | N
         TransferParams.from_dict(raw)
     except Exception:
         return None
-    return {name: raw[name] for name in (*ADDRESS_FIELDS, "mode") if name in raw}
+    return address_of(raw)
 
 
 def concurrent_params(

@@ -22,7 +22,7 @@ from kvbridge.adapters.vllm.bootstrap import BootstrapError, BootstrapLookups
 from kvbridge.control import auth
 from kvbridge.control.holds import HoldBudget
 from kvbridge.control.refusals import RefusalLog
-from kvbridge.control.requests import ADDRESS_FIELDS, Mode, RankAddress, TransferParams
+from kvbridge.control.requests import Mode, RankAddress, TransferParams, address_of
 from kvbridge.core.block_mapping import GroupBlockIds, held_block_ids, tail_block_ids
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
 from kvbridge.core.groups import GroupKind
@@ -303,15 +303,7 @@ class SchedulerState:
                 raise BootstrapError(f"{ROUTER_TRANSFER_KEY} missing or not a fitting string")
             address = self.bootstrap.get(str(params[BOOTSTRAP_KEY]), engine)
         except BootstrapError as err:
-            params[PROCESSED_KEY] = True
-            self.foreign_params += 1
-            log.error(
-                "request %s: vllm-router's mooncake mode: %s; decode prefills the whole prompt "
-                "itself (%d such requests since start)",
-                request.request_id,
-                err,
-                self.foreign_params,
-            )
+            self._prefill_locally(request, params, f"vllm-router's mooncake mode: {err}", "")
             return False
         if address is None:
             return False
@@ -332,24 +324,36 @@ class SchedulerState:
             self.mode,
             self.ranks if len(self.ranks) > 1 else [],
         ).to_dict()
-        return {k: params[k] for k in (*ADDRESS_FIELDS, "mode")}
+        return address_of(params)
 
     def _foreign_params(self, request: Any, params: dict[str, Any]) -> None:
-        """A request marked for a remote prefill whose parameters are not kvbridge's: D
-        prefills all of it. Said once per request (vLLM asks again each step it waits), with a
-        count: a router that writes parameters of its own or a P served by another connector
+        """A request marked for a remote prefill whose parameters are not kvbridge's."""
+        self._prefill_locally(
+            request,
+            params,
+            "kv_transfer_params ask for a remote prefill but carry no kvbridge parameters "
+            f"(keys {sorted(params)})",
+            "; route requests so that decode gets prefill's kv_transfer_params as prefill "
+            "returned them (vllm-router's default nixl P/D mode does), or use its mooncake mode "
+            "with prefill's option bootstrap_port",
+        )
+
+    def _prefill_locally(
+        self, request: Any, params: dict[str, Any], why: str, what_to_do: str
+    ) -> None:
+        """D prefills all of a request it was told P would prefill. Said once per request (the
+        processed mark: vLLM asks again each step it waits), with a count: a router that writes
+        parameters of its own, a P served by another connector or a failed bootstrap lookup
         would otherwise cost every prompt's prefill unseen."""
         params[PROCESSED_KEY] = True
         self.foreign_params += 1
         log.error(
-            "request %s: kv_transfer_params ask for a remote prefill but carry no kvbridge "
-            "parameters (keys %s): decode prefills the whole prompt itself (%d such requests "
-            "since start); route requests so that decode gets prefill's kv_transfer_params as "
-            "prefill returned them (vllm-router's default nixl P/D mode does), or use its "
-            "mooncake mode with prefill's option bootstrap_port",
+            "request %s: %s: decode prefills the whole prompt itself (%d such requests since "
+            "start)%s",
             request.request_id,
-            sorted(params),
+            why,
             self.foreign_params,
+            what_to_do,
         )
 
     def update_state_after_alloc(
