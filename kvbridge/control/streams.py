@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.handshakes import RemoteEngine
 from kvbridge.control.messages import LayersReady
@@ -76,7 +78,7 @@ class Stream:
     remote: RemoteEngine
     op: TransferOp = TransferOp.WRITE
     #: P's block ids seen so far per streamed group, by position (-1: not seen)
-    src_ids: dict[int, list[int]] = field(default_factory=dict)
+    src_ids: dict[int, np.ndarray] = field(default_factory=dict)
     #: the current part's plan, cut by layer, and its layers submitted
     plan: TransferPlan | None = None
     sent: set[str] = field(default_factory=set)
@@ -144,7 +146,7 @@ class Stream:
             ids = src_ids[g]
             first = int(part.first.get(g, 0))
             total = int(part.total.get(g, first + len(ids)))
-            if not self._remember(g, first, ids, total):
+            if not self._remember(g, first, src_ids.checked[g].given, total):
                 # Preempted and computed again in other blocks: a write from the old ones may
                 # still be on its way while they hold another request's bytes, so the transfer
                 # fails (fenced: every write is waited for) and D computes the prompt.
@@ -173,15 +175,18 @@ class Stream:
         self.plan = plan_tp_pair(src_layout, dst_layout, src_all, dst_all, by_layer=True)
         self.parts += 1
 
-    def _remember(self, g: int, first: int, ids: list[int], total: int) -> bool:
+    def _remember(self, g: int, first: int, ids: np.ndarray, total: int) -> bool:
         """Note P's ids at these positions; False if a position seen before had another id."""
-        known = self.src_ids.setdefault(g, [-1] * total)
-        if len(known) != total or first + len(ids) > total:
+        known = self.src_ids.get(g)
+        if known is None:
+            known = self.src_ids[g] = np.full(total, -1, dtype=np.int64)
+        end = first + ids.size
+        if known.size != total or end > total:
             return False
-        old = known[first : first + len(ids)]
-        if any(o != -1 and o != n for o, n in zip(old, ids, strict=True)):
+        old = known[first:end]
+        if np.any((old != -1) & (old != ids)):
             return False
-        known[first : first + len(ids)] = ids
+        known[first:end] = ids
         return True
 
     def rest(
@@ -192,18 +197,18 @@ class Stream:
         not streamed whole, or everything if P's ids changed since."""
         if plan is None:
             return None, 0
-        final = {g: list(src_ids.get(g, ())) for g in self.src_ids}
+        final = {
+            g: np.asarray(src_ids.get(g, ()), dtype=np.int64).reshape(-1) for g in self.src_ids
+        }
         for g, ids in final.items():
             known = self.src_ids[g]
-            if len(known) != len(ids) or any(
-                k not in (-1, n) for k, n in zip(known, ids, strict=True)
-            ):
+            if known.size != ids.size or np.any((known != -1) & (known != ids)):
                 return plan, 0
         group = self._layer_group
         done = {
             n
             for n in plan.layers
-            if n in group and group[n] in final and self.covered.get(n, -1) >= len(final[group[n]])
+            if n in group and group[n] in final and self.covered.get(n, -1) >= final[group[n]].size
         }
         return plan.for_layers(n for n in plan.layers if n not in done), self.nbytes
 
