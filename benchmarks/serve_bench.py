@@ -54,6 +54,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvbridge.bench.pages import write_page  # noqa: E402
 from tests.adapters.vllm.e2e.models import build_llama  # noqa: E402
 from tests.adapters.vllm.e2e.serve_pd import (  # noqa: E402
     DEPLOY,
@@ -420,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", default="serve_bench.json", help="where the results go")
     ap.add_argument("--plot", help="also draw p99 TTFT per rate into this PNG")
+    ap.add_argument(
+        "--page", help="also write the table as a results page of the site (docs/results/...)"
+    )
     a = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvb-serve-bench-") as tmp:
@@ -467,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if a.plot:
         plot(rows, Path(a.plot))
+    if a.page:
+        command = "python benchmarks/serve_bench.py " + " ".join(argv or sys.argv[1:])
+        body = f"Settings: `{json.dumps(settings)}`.\n\n{table(rows)}"
+        write_page(Path(a.page), "Serving benchmark (vllm bench serve)", command, body)
     return 0
 
 

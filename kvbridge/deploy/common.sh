@@ -24,6 +24,8 @@
 #   KVB_PREFILL_PEERS     decode only: prefill side channels host:port,host:port,... (each P's
 #                         KVBRIDGE_HOST and port; TP rank r: port + r) to handshake with at
 #                         start, so the first request from each needs no handshake
+#   VLLM_CPU_KVCACHE_SPACE  vLLM's CPU build: GiB of KV cache per instance (default here 4;
+#                         vLLM's own default asks each instance for most of the host's memory)
 #   HTTP_HOST, HTTP_PORT  where vLLM's OpenAI server listens (HTTP_HOST defaults to
 #                         KVBRIDGE_HOST: the router must reach it; set VLLM_API_KEY to make vLLM
 #                         require a key, and give the router the same key)
@@ -45,6 +47,15 @@ KVB_LEASE=${KVB_LEASE:-30}
 export KVBRIDGE_HOST=${KVBRIDGE_HOST:-127.0.0.1}
 export KVBRIDGE_PORT=${KVBRIDGE_PORT:-5790}
 HTTP_HOST=${HTTP_HOST:-$KVBRIDGE_HOST}
+
+# vLLM's CPU build sizes each instance's KV cache from VLLM_CPU_KVCACHE_SPACE; unset, it takes
+# most of the host's memory, and two instances on one host then fail to start.
+if [ -z "${VLLM_CPU_KVCACHE_SPACE:-}" ] && "$PYTHON" -c \
+    'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
+  export VLLM_CPU_KVCACHE_SPACE=4
+  echo "vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE=4 (GiB of KV cache for this instance; set it" \
+       "to change)" >&2
+fi
 
 # Optional connector settings, each added to the JSON only when set.
 KVB_EXTRA=""

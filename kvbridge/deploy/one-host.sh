@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # P, D and a router on one host (one GPU each, or CPU cores apart): a complete P/D deployment.
-#   MODEL=... ./one-host.sh [vLLM args for both instances...]
-# Then send OpenAI requests to http://127.0.0.1:8000 once its /health answers 200.
+#   MODEL=... ./one-host.sh [vLLM args for both instances...]      in the foreground
+#   MODEL=... ./one-host.sh --wait [vLLM args...]   in the background; returns once P, D and the
+#                                                   router answer /health (or fails, and stops)
+#   ./one-host.sh --stop                            stops a deployment started with --wait
+# Then send OpenAI requests to http://127.0.0.1:8000.
 #   ROUTER                                             vllm-router (default: router.sh) or
 #                                                      kvbridge-proxy (proxy.sh)
 #   KVB_TRANSPORT, KVB_MODE, KVBRIDGE_SECRET_FILE, ...   as in common.sh, for both instances
@@ -9,13 +12,66 @@
 #   PREFILL_SIDE_PORT / DECODE_SIDE_PORT               side channels (5790 / 5800; TP rank r: +r)
 #   PREFILL_GPUS / DECODE_GPUS                         CUDA_VISIBLE_DEVICES of each (e.g. 0 / 1)
 #   PREFILL_CPUS / DECODE_CPUS                         vLLM CPU backend: VLLM_CPU_OMP_THREADS_BIND
-#   LOG_DIR                                            prefill.log and decode.log (default .)
-# The router logs to this terminal; the first of the three to exit stops the others.
+#   LOG_DIR                                            prefill.log, decode.log, and with --wait
+#                                                      one-host.log and one-host.pid (default .)
+#   READY_TIMEOUT                                      --wait: seconds to wait (default 900)
+# In the foreground the router logs to this terminal; the first of the three to exit stops the
+# others.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 LOG_DIR=${LOG_DIR:-.}
 mkdir -p "$LOG_DIR"
 export HTTP_HOST=${HTTP_HOST:-127.0.0.1} KVBRIDGE_HOST=${KVBRIDGE_HOST:-127.0.0.1}
+PYTHON=${PYTHON:-python3}
+pidfile="$LOG_DIR/one-host.pid"
+
+# stop: end the process group that --wait started (P, D, the router and their children)
+stop() {
+  [ -f "$pidfile" ] || { echo "one-host.sh: nothing to stop ($pidfile is missing)" >&2; return 1; }
+  local pid i
+  pid=$(cat "$pidfile")
+  kill -TERM -- "-$pid" 2>/dev/null || true
+  for i in $(seq 1 60); do
+    kill -0 -- "-$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  rm -f "$pidfile"
+  echo "stopped prefill, decode and ${ROUTER:-vllm-router}" >&2
+}
+
+case "${1:-}" in
+  --stop) stop; exit ;;
+  --wait)
+    shift
+    if [ -f "$pidfile" ] && kill -0 -- "-$(cat "$pidfile")" 2>/dev/null; then
+      echo "one-host.sh: already running (process group $(cat "$pidfile")); $0 --stop first" >&2
+      exit 1
+    fi
+    # the same script in the foreground, in a process group of its own, detached from this shell
+    setsid bash "$here/one-host.sh" "$@" >"$LOG_DIR/one-host.log" 2>&1 </dev/null &
+    echo $! >"$pidfile"
+    echo "starting prefill, decode and ${ROUTER:-vllm-router} (logs in $LOG_DIR); waiting for" \
+         "/health (up to ${READY_TIMEOUT:-900} s)" >&2
+    if ! "$PYTHON" -m kvbridge.deploy.readiness --pid "$(cat "$pidfile")" \
+        --timeout "${READY_TIMEOUT:-900}" \
+        "http://$HTTP_HOST:${PREFILL_PORT:-8100}/health" \
+        "http://$HTTP_HOST:${DECODE_PORT:-8200}/health" \
+        "http://${PROXY_HOST:-127.0.0.1}:${PROXY_PORT:-8000}/health"; then
+      for log in one-host prefill decode; do
+        [ -f "$LOG_DIR/$log.log" ] && { echo "--- last lines of $LOG_DIR/$log.log" >&2; tail -n 5 "$LOG_DIR/$log.log" >&2; }
+      done
+      stop || true
+      exit 1
+    fi
+    echo "ready: http://${PROXY_HOST:-127.0.0.1}:${PROXY_PORT:-8000} (stop with: $0 --stop)" >&2
+    exit 0 ;;
+esac
+
+if [ -z "${KVBRIDGE_SECRET_FILE:-}${KVBRIDGE_SECRET:-}" ]; then
+  echo "note: no KVBRIDGE_SECRET_FILE: the side channels listen on $KVBRIDGE_HOST only, without" \
+       "authentication (getting started, secrets: how to set one)" >&2
+fi
 
 # side VAR_PREFIX: the per-instance environment (only what is set)
 side() {

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.bench.pages import cpu_bf16_isa
 from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import CHUNK_TOKENS, LAYERWISE, MODES, Reference, run_pair
 
@@ -70,16 +71,6 @@ def check_landed(rows: list[dict]) -> None:
             assert r["d_landed_after_s"] and r["d_landed_after_s"] > 0, (r["mode"], r["prompt"])
 
 
-def cpu_bf16_isa() -> str:
-    """The CPU's bf16 instructions, recorded with each run since vLLM's CPU bf16 kernels round
-    differently with each: ``"amx"`` (bf16 tiles), ``"avx512_bf16"`` or ``"none"``."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return "none"
-    if "amx_bf16" in flags:
-        return "amx"
-    return "avx512_bf16" if "avx512_bf16" in flags else "none"
 
 
 #: The bf16 cases compare a split computation (P prefills N-1 tokens, D computes the rest) with

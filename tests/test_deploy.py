@@ -1,0 +1,87 @@
+"""The deploy scripts as shipped in the package, and the readiness wait of ``one-host.sh``."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge.deploy import SCRIPTS, copy_scripts, scripts_dir
+from kvbridge.deploy.readiness import wait_healthy
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 503)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_every_script_ships_in_the_package_and_copies_out_executable(tmp_path: Path) -> None:
+    assert sorted(p.name for p in scripts_dir().glob("*.sh")) == sorted(SCRIPTS)
+    copies = copy_scripts(tmp_path / "deploy")
+    assert sorted(p.name for p in copies) == sorted(SCRIPTS)
+    assert all(os.access(p, os.X_OK) for p in copies)
+    with pytest.raises(FileExistsError, match=r"already has one-host\.sh"):
+        copy_scripts(tmp_path / "deploy")
+
+
+def test_readiness_returns_once_every_url_answers_200(server: str) -> None:
+    assert wait_healthy([f"{server}/health"] * 2, timeout=10) is None
+
+
+def test_readiness_names_what_never_answered(server: str) -> None:
+    why = wait_healthy([f"{server}/health", f"{server}/other"], timeout=1.5)
+    assert why == f"{server}/other did not answer 200 within 1.5 s"
+
+
+def test_readiness_stops_when_the_deployment_exits(server: str) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    why = wait_healthy([f"{server}/other"], timeout=60, pid=dead.pid)
+    assert why == f"the deployment exited before {server}/other answered 200"
+
+
+def test_one_host_wait_fails_in_one_line_and_stops_what_it_started(tmp_path: Path) -> None:
+    """No MODEL: P and D exit at once; --wait says so and leaves nothing running."""
+    env = {k: v for k, v in os.environ.items() if k != "MODEL"}
+    env.update(
+        LOG_DIR=str(tmp_path),
+        PYTHON=sys.executable,
+        READY_TIMEOUT="60",
+        ROUTER="kvbridge-proxy",
+        PREFILL_PORT="1",
+        DECODE_PORT="2",
+        PROXY_PORT="3",
+    )
+    done = subprocess.run(
+        ["bash", str(scripts_dir() / "one-host.sh"), "--wait"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "not ready: the deployment exited before" in done.stderr, done.stderr
+    assert "set MODEL to the model to serve" in done.stderr, done.stderr
+    assert not (tmp_path / "one-host.pid").exists()
