@@ -5,7 +5,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvbridge-installed
-EXTRAS ?= dev,mooncake,proxy,router
+# What `make demo` needs and no more: kvbridge and the Mooncake engine (no torch, no vLLM).
+DEMO_STAMP := $(VENV)/.kvbridge-demo-installed
+DEMO_EXTRAS ?= mooncake
+EXTRAS ?= dev,mooncake,proxy,router,docs
 # NIXL's wheels require torch, which an extra cannot skip: --no-deps keeps 6 GB of torch and CUDA
 # wheels off a CPU machine (the engine itself does not import torch). On a host whose torch is
 # built for CUDA 13, use nixl-cu13==1.5.1 instead of nixl-cu12; with torch present, the `nixl`
@@ -22,7 +25,7 @@ VENV33 := .venv-vllm033
 VLLM33 ?= vllm==0.33.0
 STAMP33 := $(VENV33)/.kvbridge-installed
 
-.PHONY: demo demo-vllm test test-e2e test-vllm033 soak lint typecheck unit example-plugin setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e results-e2e test-vllm033 soak lint typecheck docs docs-serve unit example-plugin setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -45,11 +48,21 @@ $(STAMP): pyproject.toml | system-deps
 	$(BIN)/python -m pip install -q --no-deps $(NIXL_PKGS)
 	$(BIN)/python -m pip install -q $(VLLM_PKGS)
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@touch $(STAMP)
+	@touch $(STAMP) $(DEMO_STAMP)
 
-# The main job on the embedded default: a real prefill -> decode transfer over loopback.
-demo: $(STAMP)
+# The demo's environment: a few hundred MB, under a minute on a warm pip cache. `make test` and
+# `make demo-vllm` add the rest to the same .venv.
+$(DEMO_STAMP): pyproject.toml | system-deps
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(DEMO_EXTRAS)]'
+	@touch $(DEMO_STAMP)
+
+# The main job on the embedded default: a real prefill -> decode transfer between two processes,
+# over the first usable transport.
+demo: $(DEMO_STAMP)
 	$(BIN)/kvbridge demo
+	@echo "The kvbridge command is $(BIN)/kvbridge; to have it on your PATH: . $(BIN)/activate"
 
 # The vLLM adapter: a tiny Qwen3-Next-style hybrid (GDN + attention) served disaggregated by two
 # real vLLM engines; prints P's and D's outputs beside a single instance's.
@@ -62,6 +75,14 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy kvbridge
+
+# The documentation site (mkdocs, Material theme): built with every warning an error, so a broken
+# link, anchor or API reference fails `make test`. `make docs-serve` serves it on 127.0.0.1:8001.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # One test file per worker (--dist loadfile keeps a file's shared engines in one process); most
 # of the unit suite's time is waits on engine processes, which the workers overlap.
@@ -85,13 +106,17 @@ test-vllm033: $(STAMP33)
 test-e2e: $(STAMP)
 	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e
 
-# The README's example transport plugin, installed as its own distribution, against the whole
-# conformance suite that ships in kvbridge.testing (what a third party runs).
+# The site's end-to-end results page (docs/results/vllm-e2e.md) from the last test-e2e run.
+results-e2e: $(STAMP)
+	$(BIN)/python -m tests.adapters.vllm.e2e.results_page
+
+# The example transport plugin (docs: Transports), installed as its own distribution, against
+# the whole conformance suite that ships in kvbridge.testing (what a third party runs).
 example-plugin: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps ./examples/procmem-transport
 	$(BIN)/pytest -q examples/procmem-transport/tests
 
-test: lint typecheck unit test-vllm033 example-plugin test-e2e
+test: lint typecheck docs unit test-vllm033 example-plugin test-e2e
 
 # The soak: 1000 requests per transport through real engine processes, random faults (freeze or
 # kill P or D, lost PushDone, duplicate and forged messages), two CPU hogs beside it; checks every
@@ -112,7 +137,7 @@ clean:
 	rm -rf $(VENV) $(VENV33) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
 
 # Benchmarks (kvbridge bench): `make bench` prints the tables; `make bench-docs` reruns the
-# published run and regenerates README.md's "Benchmark results" section and the charts in docs/.
+# published run and regenerates its results pages (docs/results/) and charts.
 # kvbridge beside vLLM's own Mooncake planning code is a script of the tree, not a subcommand:
 # $(BIN)/python benchmarks/vllm_planning.py --help
 .PHONY: bench bench-docs

@@ -1,5 +1,5 @@
 """Profile ``plan_transfers`` on one benchmark case with pyinstrument (how the planner's costs
-were found; see the README's benchmark notes).
+were found; see docs/results/planning.md).
 
     .venv/bin/python benchmarks/profile_planner.py llama3-70b-dense 131072 fragmented [--runs 10]
 

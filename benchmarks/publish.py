@@ -1,13 +1,14 @@
-"""Run the published benchmark and regenerate its charts and the README's results section.
+"""Run the published benchmark and regenerate its charts and its results pages of the site.
 
-    .venv/bin/python benchmarks/publish.py                 # run, then write docs/ and README
+    .venv/bin/python benchmarks/publish.py                 # run, then write docs/
     .venv/bin/python benchmarks/publish.py --from-json docs/bench-results.json   # redraw only
 
 ``make bench-docs`` runs the first form. The run is ``kvbridge bench`` with ``BENCH_ARGS``; its
-JSON goes to ``docs/bench-results.json``, the charts to ``docs/bench-planning.png`` and
-``docs/bench-transfer.png``, and the README's last section, ``## Benchmark results``, is replaced
-(or appended) with the tables, the exact command and the charts. Needs matplotlib (the ``bench``
-extra).
+JSON goes to ``docs/bench-results.json`` (with when and where it ran), the charts to
+``docs/bench-planning.png`` and ``docs/bench-transfer.png``, and two pages of the site are
+written whole: ``docs/results/planning.md`` and ``docs/results/transfer.md`` (tables, targets,
+the exact command, the charts). Nothing else is touched; README.md never. Needs matplotlib (the
+``bench`` extra).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-README = ROOT / "README.md"
-HEADING = "## Benchmark results"
-#: More repetitions than the default: the machine is shared and noisy (see the README).
+RESULTS = DOCS / "results"
+#: The pages this script owns, generated whole: never edit them by hand.
+PLANNING_PAGE = RESULTS / "planning.md"
+TRANSFER_PAGE = RESULTS / "transfer.md"
+COMMAND = "make bench-docs"
+#: More repetitions than the default: the machine is shared and noisy.
 #: The in-tree transports only: a third-party plugin installed beside them (the example one,
-#: which ``make test`` installs) is not what this section reports.
+#: which ``make test`` installs) is not what these pages report.
 BENCH_ARGS = ["bench", "--reps", "16", "--transports", "cma", "mooncake", "nixl"]
 
 
@@ -36,6 +41,11 @@ def run_bench(output: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", "kvbridge.cli", *BENCH_ARGS, "--json", "--output", str(output)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     doc: dict[str, Any] = json.loads(output.read_text())
+    from kvbridge.bench.pages import machine
+
+    doc["measured"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    doc["machine"]["description"] = machine()
+    output.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
 
@@ -122,50 +132,70 @@ def transfer_chart(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def readme_section(doc: dict[str, Any]) -> str:
-    """The ``## Benchmark results`` section: command, machine, charts, tables, targets."""
-    from kvbridge.bench.report import growth_grid, planning_grid, targets, transfer_grid
+def header(title: str, doc: dict[str, Any]) -> list[str]:
+    """A generated page's title and the line saying who wrote it, when and on which machine."""
+    from kvbridge.bench.pages import generated_by
 
     m = doc["machine"]
-    parts = [
-        HEADING,
+    where = m.get("description") or f"{m['cpus']} CPUs, {m['platform']}"
+    when = doc.get("measured", "(date not recorded)")
+    return [
+        f"# {title}",
         "",
-        "One run of `kvbridge bench` on the development machine "
-        f"({m['cpus']} CPUs, {m['platform']}, Python {m['python']}, numpy {m['numpy']}; a shared "
-        "VM, so timings vary by up to 2x between runs). It was produced by",
+        f"{generated_by(COMMAND, when, where)} (Python {m['python']}, numpy {m['numpy']}; "
+        "a shared VM, so timings vary by up to 2x between "
+        "runs), by",
         "",
         "```sh",
         doc["command"],
         "```",
         "",
-        "and `make bench-docs` reruns it and regenerates this section, "
-        "`docs/bench-results.json` and the charts.",
-        "",
-        "### Planning",
-        "",
-        "![planning time against request size](docs/bench-planning.png)",
+    ]
+
+
+def planning_page(doc: dict[str, Any]) -> str:
+    """``docs/results/planning.md``: the chart, the growth and per-request tables, targets."""
+    from kvbridge.bench.report import growth_grid, planning_grid, targets
+
+    parts = [
+        *header("Planning", doc),
+        "![planning time against request size](../bench-planning.png)",
         "",
         growth_grid(doc["planning"]).markdown(),
         "",
         planning_grid(doc["planning"]).markdown(),
         "",
+        "## Targets",
+        "",
+        *[f"- {line}" for line in targets({"planning": doc["planning"]})],
+        "",
+        PLANNING_NOTES,
     ]
-    if doc.get("transfer"):
-        parts += [
-            "### Transfer",
-            "",
-            "![throughput per transport](docs/bench-transfer.png)",
-            "",
-            transfer_grid(doc["transfer"]).markdown(),
-            "",
-        ]
-    parts += ["### Targets", "", *[f"- {line}" for line in targets(doc)], "", NOTES]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def transfer_page(doc: dict[str, Any]) -> str:
+    """``docs/results/transfer.md``: the chart, the throughput table, targets."""
+    from kvbridge.bench.report import targets, transfer_grid
+
+    parts = [
+        *header("Transfer", doc),
+        "![throughput per transport](../bench-transfer.png)",
+        "",
+        transfer_grid(doc["transfer"]).markdown(),
+        "",
+        "## Targets",
+        "",
+        *[f"- {line}" for line in targets({"transfer": doc["transfer"]})],
+        "",
+        TRANSFER_NOTES,
+    ]
     return "\n".join(parts).rstrip() + "\n"
 
 
 #: What the numbers mean, written once; they do not change from run to run.
-NOTES = """\
-### Reading the results
+PLANNING_NOTES = """\
+## Reading the results
 
 - **Planning grows linearly with the request, or slower.** An address is
   `offset + block_id * step`, so the planner fuses what every block moves contiguously (the
@@ -183,6 +213,11 @@ NOTES = """\
   blocks. Fully fragmented ids are the worst case: nothing merges across
   blocks, so the plan keeps one descriptor per block and region (1.3 M for 128k tokens of
   Llama-3-70B) and the time is memory traffic, ~20 ns per descriptor.
+"""
+
+TRANSFER_NOTES = """\
+## Reading the results
+
 - **kvbridge beside the raw engine.** Both run in the same two processes on the same
   descriptors, in balanced orders. What kvbridge adds is fixed per request ("own cost"):
   planning, and the control plane: the pull start round trip, which runs while D plans, and
@@ -201,26 +236,14 @@ NOTES = """\
   show.
   On this shared 2-core VM single repetitions vary by up to 2x (see the interquartile bars),
   so ratios within ~5 % of 1 are within noise, and a rerun moves them by that much.
-- **NIXL's progress thread.** NIXL's Python `nixl_agent` starts its progress thread with
-  `pthrDelay = 0` (hard-coded), a busy loop: every process holding an agent kept a core busy
-  even when idle, which on this machine was both cores (NIXL moved 1-1.7 GB/s, kvbridge's
-  control plane took 4-10 ms). kvbridge's NIXL transport sets the delay (`progress_delay_us`,
-  1000 µs; UCX events still wake the thread at once), and so does the raw baseline: an idle
-  agent uses ~2 % of a core, NIXL moves these requests at 4.5-6 GB/s, and kvbridge's control
-  plane takes ~1 ms as with Mooncake.
+- **NIXL's progress thread** would spin a core per agent; kvbridge's NIXL transport and the raw
+  baseline give it an idle wait (`progress_delay_us`, see
+  [Transports](../transports.md#nixl)).
 - **memcpy** copies the same descriptors inside one process: the ceiling of this machine's
   memory for that access pattern. Loopback TCP (Mooncake) reaches a fifth to a third of it;
   the kernel copies between processes (NIXL's UCX `cma`, kvbridge's `cma` transport) come
   close to it.
 """
-
-
-def write_readme(section: str) -> None:
-    """Replace the README's last section (from ``HEADING`` to the end), or append it."""
-    text = README.read_text()
-    at = text.find(f"\n{HEADING}\n")
-    head = text if at < 0 else text[: at + 1]
-    README.write_text(head.rstrip("\n") + "\n\n" + section)
 
 
 def main() -> int:
@@ -236,10 +259,15 @@ def main() -> int:
     else:
         doc = run_bench(results)
     planning_chart(doc, DOCS / "bench-planning.png")
+    written = [results]
+    RESULTS.mkdir(exist_ok=True)
+    PLANNING_PAGE.write_text(planning_page(doc))
+    written.append(PLANNING_PAGE)
     if doc.get("transfer"):
         transfer_chart(doc, DOCS / "bench-transfer.png")
-    write_readme(readme_section(doc))
-    print(f"wrote {results.relative_to(ROOT)}, the charts in docs/ and {README.name}'s {HEADING!r}")
+        TRANSFER_PAGE.write_text(transfer_page(doc))
+        written.append(TRANSFER_PAGE)
+    print("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in written) + " and the charts")
     return 0
 
 

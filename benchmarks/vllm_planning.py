@@ -1109,7 +1109,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except ModuleNotFoundError as err:
             if (err.name or "").split(".")[0] not in ("vllm", "torch"):
                 raise
-            raise UsageError(f"needs vLLM (and torch) installed: {err}; see the README") from None
+            raise UsageError(
+                f"needs vLLM (and torch) installed: {err}; see docs/results/vllm-planning.md"
+            ) from None
     return doc
 
 

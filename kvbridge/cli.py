@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 from rich.console import Console
@@ -20,10 +21,13 @@ from rich.table import Table
 
 from kvbridge.bench import add_parser as add_bench_parser
 from kvbridge.cli_errors import CliError
+from kvbridge.cli_output import quiet_broken_pipe, stdout_console
+from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.errors import KvbridgeError, TransportNotFoundError, TransportUnavailableError
+from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
-from kvbridge.core.registry import available_transports, load_transport_class
+from kvbridge.core.registry import TransportInfo, available_transports, load_transport_class
 from kvbridge.core.transport import TransferOp
 from kvbridge.core.transpose import received_transposes
 from kvbridge.workloads.shapes import SHAPES
@@ -56,7 +60,11 @@ def _read_layout(path: Path, what: str) -> Layout:
 
 
 class RequestBlocks(msgspec.Struct, forbid_unknown_fields=True):
-    """The block-id file of ``kvbridge plan``: logical ids per group index, for each side."""
+    """The block-id file of ``kvbridge plan``: logical ids per group index, for each side.
+
+    ``prompt_tokens``, when given, is checked against the ids: each group must hold the blocks
+    the tokens decode loads take (N-1 of them with recurrent state, ``kvbridge.core.boundary``).
+    """
 
     prefill: dict[int, list[int]]
     decode: dict[int, list[int]]
@@ -68,6 +76,34 @@ def _read_blocks(path: Path) -> RequestBlocks:
         return msgspec.json.decode(_read_json(path, "block-id file"), type=RequestBlocks)
     except (msgspec.ValidationError, msgspec.DecodeError) as err:
         raise CliError(f"block-id file {str(path)!r}: {err}") from None
+
+
+def _loaded_tokens(blocks: RequestBlocks, prefill: Layout, decode: Layout, path: Path) -> int:
+    """The tokens decode loads for ``blocks.prompt_tokens``, once every group's ids on both
+    sides are checked to hold just the blocks those tokens take."""
+    prompt = blocks.prompt_tokens
+    assert prompt is not None
+    where = f"block-id file {str(path)!r}"
+    if prompt < 1:
+        raise CliError(f"{where}: prompt_tokens must be at least 1, got {prompt}")
+    loaded = remote_prefill_token_count(prompt, prefill.has_state)
+    why = f"decode loads N-1 = {loaded:,}" if prefill.has_state else "decode loads all"
+    for side, layout, ids in (
+        ("prefill", prefill, blocks.prefill),
+        ("decode", decode, blocks.decode),
+    ):
+        for index, group in sorted(layout.groups.items()):
+            if index not in ids:
+                continue  # the planner names a missing group
+            want = blocks_for_tokens(loaded, group.block_size)
+            got = len(ids[index])
+            if got != want and not (group.kind is GroupKind.STATE and want == 0 and got <= 1):
+                raise CliError(
+                    f"{where}: {side} group {index} holds {got} block ids, but prompt_tokens "
+                    f"{prompt:,} ({why}) takes {want} blocks of {group.block_size} tokens; fix "
+                    "the ids or prompt_tokens, or leave prompt_tokens out"
+                )
+    return loaded
 
 
 def cmd_transports(args: argparse.Namespace, console: Console) -> int:
@@ -128,6 +164,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     decode = _read_layout(args.decode, "decode layout")
     blocks = _read_blocks(args.blocks)
     op = TransferOp(args.op)
+    loaded = None
+    if blocks.prompt_tokens is not None:
+        loaded = _loaded_tokens(blocks, prefill, decode, args.blocks)
     try:
         plan = plan_transfers(
             prefill, decode, blocks.prefill, blocks.decode, merge=not args.no_merge
@@ -147,6 +186,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
             "descriptors_before_merge": plan.unmerged,
             "descriptors": plan.count,
             "bytes": plan.nbytes,
+            "prompt_tokens": blocks.prompt_tokens,
+            "remote_prefill_tokens": loaded,
             "groups": [{**g.__dict__, "kind": g.kind.value} for g in plan.groups],
             # kernel blocks decode permutes after the transfer, per group (token- vs head-major)
             "transposed_on_receive": {
@@ -161,6 +202,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     side = "decode reads from prefill" if op is TransferOp.READ else "prefill writes to decode"
     console.print(_plan_table(plan, f"transfer plan ({side})"))
     console.print(_plan_summary(plan, elapsed), soft_wrap=True)
+    if blocks.prompt_tokens is not None and loaded is not None:
+        boundary = _boundary_text(blocks.prompt_tokens, loaded, prefill.has_state)
+        console.print(f"{boundary}; every group's block ids checked against it", soft_wrap=True)
     for t in transposes:
         order = "[N,H,C] into its heads" if t.to_head_major else "[H,N,C] into [N,H,C]"
         console.print(
@@ -172,9 +216,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _demo_tables(results: list[Any], config: Any) -> list[Table]:
+    from kvbridge.demo import cache_bytes
+
     first = results[0]
+    pool = cache_bytes(config.shape, config.blocks, config.num_layers)
     groups = Table(
-        title=f"request: {escape(config.shape)} KV cache, prompt {config.prompt_tokens:,} tokens"
+        title=f"request: {escape(config.shape)} KV cache, prompt {config.prompt_tokens:,} tokens; "
+        f"each engine's cache {config.blocks:,} blocks per tensor, {_gib(pool)}"
     )
     for column in ("group", "kind", "regions", "blocks", "descriptors", "bytes"):
         groups.add_column(column, justify="right")
@@ -208,12 +256,42 @@ def _demo_tables(results: list[Any], config: Any) -> list[Table]:
     return [groups, transfer]
 
 
+#: The order ``kvbridge demo`` picks its default transport in: engines built for the job, then
+#: the host-only fallback, then any other installed one by name.
+TRANSPORT_PREFERENCE = ("mooncake", "nixl", "cma")
+#: More prompt tokens than any shipped model's context: a typo, refused before sizing anything.
+MAX_PROMPT_TOKENS = 1 << 21
+
+
+def _preferred(names: list[str]) -> list[str]:
+    rank = {name: i for i, name in enumerate(TRANSPORT_PREFERENCE)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def _usable_names(infos: list[TransportInfo]) -> list[str]:
+    return _preferred([info.name for info in infos if info.usable])
+
+
 def _usable_transports_hint() -> str:
-    usable = [info.name for info in available_transports() if info.usable]
+    usable = _usable_names(available_transports())
     return (
         f"usable transports here: {', '.join(usable) or 'none'}; pass one with --transport "
         "(or --transport all); `kvbridge transports` shows why others are not usable"
     )
+
+
+def _demo_transports(choice: str | None) -> list[str]:
+    """The transports the demo runs: ``--transport``'s, or the first usable one."""
+    if choice is not None and choice != "all":
+        _check_demo_transport(choice)
+        return [choice]
+    names = _usable_names(available_transports())
+    if not names:
+        raise CliError(
+            "no usable transport is installed; `kvbridge transports` shows why, and "
+            "pip install 'kvbridge[mooncake]' adds one"
+        )
+    return names if choice == "all" else names[:1]
 
 
 def _check_demo_transport(name: str) -> None:
@@ -230,10 +308,35 @@ def _check_demo_transport(name: str) -> None:
         raise CliError(f"transport {name!r}: {err}") from None
 
 
-def _check_demo_request(args: argparse.Namespace) -> None:
-    """Refuse, before any process starts, a shape or request the demo cannot build."""
+def _available_memory() -> int | None:
+    """Bytes of memory available to new processes (``MemAvailable``), if the system says."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _gib(nbytes: int) -> str:
+    """A byte count in GiB, MiB or KiB, whichever reads best."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:,.1f} {unit}"
+    return f"{nbytes / 1024:,.0f} KiB"
+
+
+def _check_demo_request(args: argparse.Namespace) -> Layout:
+    """Refuse, before any process starts, a request the demo cannot build or hold; size the
+    pool when ``--num-blocks`` is left out. The layout of one engine is returned."""
     import numpy as np
 
+    from kvbridge.demo import CACHE_COPIES, cache_bytes, pool_blocks
     from kvbridge.workloads.layouts import PoolExhaustedError, request_block_ids
     from kvbridge.workloads.shapes import bump_allocator, layout_spec
 
@@ -247,32 +350,66 @@ def _check_demo_request(args: argparse.Namespace) -> None:
             f"no model shape named {args.shape!r}; pass one of {', '.join(sorted(SHAPES))} "
             "with --shape"
         )
-    try:
-        spec = layout_spec(
-            SHAPES[args.shape], args.num_blocks, bump_allocator(1 << 40), num_layers=args.layers
+    shape = SHAPES[args.shape]
+    if args.layers is not None and args.layers > shape.num_layers:
+        raise CliError(
+            f"--layers {args.layers} is more than the {shape.num_layers} layers {args.shape} "
+            f"has; pass at most {shape.num_layers}, or leave --layers out for all of them"
         )
-        request_block_ids(Layout(spec), args.prompt_tokens, np.random.default_rng(0))
+    if args.prompt_tokens > MAX_PROMPT_TOKENS:
+        raise CliError(
+            f"--prompt-tokens {args.prompt_tokens:,} is more than any model's context; pass at "
+            f"most {MAX_PROMPT_TOKENS:,} (the default is 8192)"
+        )
+    sized = args.num_blocks is None
+    if sized:
+        args.num_blocks = pool_blocks(args.shape, args.prompt_tokens, args.layers)
+    held = CACHE_COPIES * cache_bytes(args.shape, args.num_blocks, args.layers)
+    available = _available_memory()
+    if available is not None and held > available:
+        cut = (
+            "--layers or --prompt-tokens" if sized else "--num-blocks, --layers or --prompt-tokens"
+        )
+        raise CliError(
+            f"the demo would hold {_gib(held)} ({CACHE_COPIES} copies of one engine's "
+            f"{args.num_blocks:,}-block cache) but {_gib(available)} of memory is available; "
+            f"lower {cut}"
+        )
+    try:
+        spec = layout_spec(shape, args.num_blocks, bump_allocator(1 << 40), num_layers=args.layers)
+        layout = Layout(spec)
+        request_block_ids(layout, args.prompt_tokens, np.random.default_rng(0))
     except PoolExhaustedError:
+        need = pool_blocks(args.shape, args.prompt_tokens, args.layers)
         raise CliError(
             f"--prompt-tokens {args.prompt_tokens} needs more blocks than --num-blocks "
-            f"{args.num_blocks} holds; raise --num-blocks or lower --prompt-tokens"
+            f"{args.num_blocks} holds; raise --num-blocks (to {need}, say), lower "
+            "--prompt-tokens, or leave --num-blocks out to size the pool from the request"
         ) from None
     except (KvbridgeError, ValueError) as err:
         raise CliError(f"demo request: {err}") from None
+    return layout
+
+
+def _boundary_text(prompt_tokens: int, loaded: int, has_state: bool) -> str:
+    """What ``remote prefill tokens`` means for this model (``kvbridge.core.boundary``)."""
+    if has_state:
+        return (
+            f"remote prefill tokens: {loaded:,} of the {prompt_tokens:,}-token prompt (N-1: the "
+            "model has recurrent state, so decode computes the last prompt token itself)"
+        )
+    return (
+        f"remote prefill tokens: {loaded:,}, the whole {prompt_tokens:,}-token prompt (the "
+        "model has no recurrent state)"
+    )
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from kvbridge.control.plane import Mode
     from kvbridge.demo import DemoConfig, DemoError, run_demo
 
-    _check_demo_request(args)
-    if args.transport == "all":
-        names = [info.name for info in available_transports() if info.usable]
-        if not names:
-            raise CliError("no usable transport is installed; see `kvbridge transports`")
-    else:
-        names = [args.transport]
-        _check_demo_transport(args.transport)
+    layout = _check_demo_request(args)
+    names = _demo_transports(args.transport)
     results = []
     log_dir = tempfile.mkdtemp(prefix="kvbridge-demo-")
     for name in names:
@@ -298,12 +435,29 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     else:
         for table in _demo_tables(results, config):
             console.print(table)
+        boundary = _boundary_text(
+            args.prompt_tokens, results[0].remote_prefill_tokens, layout.has_state
+        )
         console.print(
-            f"remote prefill tokens: {results[0].remote_prefill_tokens:,} "
-            f"(N-1 for a model with recurrent state); every byte of the decode cache checked; "
-            f"engine logs in {escape(log_dir)}",
+            f"{boundary}; every byte of the decode cache checked; engine logs in {escape(log_dir)}",
             soft_wrap=True,
         )
+    return 0
+
+
+def cmd_deploy_scripts(args: argparse.Namespace, console: Console) -> int:
+    from kvbridge.deploy import copy_scripts
+
+    try:
+        copies = copy_scripts(args.dir)
+    except FileExistsError as err:
+        raise CliError(f"{err}; give an empty or new folder") from None
+    except OSError as err:
+        raise CliError(f"cannot copy the deploy scripts into {str(args.dir)!r}: {err}") from None
+    names = " ".join(p.name for p in copies)
+    print(
+        f"copied {names} into {args.dir}; start with: MODEL=... {args.dir / 'one-host.sh'} --wait"
+    )
     return 0
 
 
@@ -365,8 +519,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, as every other error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvbridge: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvbridge", description="KV-cache transfer for prefill/decode disaggregation."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -390,14 +561,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="move a hybrid model's KV cache between two processes")
-    p.add_argument("--transport", default="mooncake", help="transport name, or 'all'")
+    p.add_argument(
+        "--transport",
+        default=None,
+        help="transport name, or 'all' (default: the first usable of "
+        f"{', '.join(TRANSPORT_PREFERENCE)}, then any other installed one; see "
+        "`kvbridge transports`)",
+    )
     p.add_argument(
         "--shape", default="qwen3.5-hybrid", help=f"model shape: {', '.join(sorted(SHAPES))}"
     )
-    p.add_argument("--prompt-tokens", type=_positive_int, default=8192)
-    p.add_argument("--num-blocks", type=_positive_int, default=32, help="blocks per cache tensor")
     p.add_argument(
-        "--layers", type=_positive_int, default=None, help="keep only the first N layers"
+        "--prompt-tokens", type=_positive_int, default=8192, help="prompt length (default 8192)"
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=_positive_int,
+        default=None,
+        help="blocks per cache tensor (default: sized from the shape and prompt, an eighth spare)",
+    )
+    p.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=None,
+        help="keep only the first N layers (at most the model's)",
     )
     p.add_argument(
         "--mode",
@@ -406,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="pull: decode reads (default); push: prefill writes",
     )
     p.add_argument("--secret", default=None, help="shared secret both engines authenticate with")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
+    p.add_argument(
+        "--timeout", type=_positive_seconds, default=60.0, help="seconds for each step (60)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_demo)
 
@@ -438,7 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="decode",
         help="this host's role (default decode: the peer is a prefill engine)",
     )
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds for each step (5)")
+    p.add_argument(
+        "--timeout", type=_positive_seconds, default=5.0, help="seconds for each step (5)"
+    )
     p.add_argument(
         "--transport-options",
         default="{}",
@@ -457,6 +648,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     p.set_defaults(func=cmd_check)
 
+    p = sub.add_parser(
+        "deploy-scripts",
+        help="copy the launch scripts (one-host.sh, prefill.sh, decode.sh, ...) into a folder",
+        description="Copy the launch scripts that ship in the package into DIR: one-host.sh "
+        "(P, D and a router on one host), prefill.sh, decode.sh, router.sh, proxy.sh and "
+        "common.sh. Every variable they read is in the header of each.",
+    )
+    p.add_argument("dir", type=Path, help="the folder to copy them into (made if missing)")
+    p.set_defaults(func=cmd_deploy_scripts)
+
     add_bench_parser(sub)  # `kvbridge bench`: options and logic live in kvbridge/bench/
     return parser
 
@@ -464,9 +665,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console()
+    console = stdout_console()
     try:
-        return int(args.func(args, console))
+        status = int(args.func(args, console))
+        sys.stdout.flush()  # here, so that a reader gone away is a BrokenPipeError caught below
+        return status
+    except BrokenPipeError:  # `kvbridge plan --json | head -1`: the reader has what it wanted
+        return quiet_broken_pipe()
     except CliError as err:
         print(f"kvbridge: error: {err}", file=sys.stderr)
         return 2

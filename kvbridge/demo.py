@@ -25,15 +25,45 @@ import numpy as np
 from rich.console import Console
 
 from kvbridge.control.plane import ControlPlane, Mode, TransferParams
-from kvbridge.core.boundary import remote_prefill_token_count
+from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
+from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
 from kvbridge.core.registry import load_transport
 from kvbridge.workloads.layouts import request_block_ids
-from kvbridge.workloads.shapes import SHAPES, layout_spec
+from kvbridge.workloads.shapes import SHAPES, bump_allocator, layout_spec
 
 PAGE = 4096
 REQUEST_ID = "demo-request-0"
+#: Copies of one engine's cache the demo holds at once: prefill's, and in the decode process its
+#: own and prefill's rebuilt to check it against (the bytes it must hold are rebuilt one buffer
+#: at a time).
+CACHE_COPIES = 3
+
+
+def pool_blocks(shape: str, prompt_tokens: int, num_layers: int | None = None) -> int:
+    """Blocks per cache tensor for a demo request: what it takes over every group (one per
+    STATE group), vLLM's null block 0, and an eighth spare, as a serving engine's pool has."""
+    layout = Layout(layout_spec(SHAPES[shape], 1, bump_allocator(), num_layers=num_layers))
+    tokens = remote_prefill_token_count(prompt_tokens, layout.has_state)
+    needed = sum(
+        1 if g.kind is GroupKind.STATE else blocks_for_tokens(tokens, g.block_size)
+        for g in layout.groups.values()
+    )
+    return needed + 1 + max(1, needed // 8)
+
+
+def cache_bytes(shape: str, num_blocks: int, num_layers: int | None = None) -> int:
+    """Bytes one engine's cache of ``num_blocks`` blocks per tensor allocates."""
+    total = 0
+
+    def allocate(size: int) -> int:
+        nonlocal total
+        total += size
+        return 1 << 40
+
+    layout_spec(SHAPES[shape], num_blocks, allocate, num_layers=num_layers)
+    return total
 
 
 @dataclass
@@ -45,13 +75,23 @@ class DemoConfig:
     mode: Mode = Mode.PULL
     shape: str = "qwen3.5-hybrid"
     num_layers: int | None = None
-    num_blocks: int = 32
+    #: blocks per cache tensor; ``None``: the smallest pool that holds the request (``pool_blocks``)
+    num_blocks: int | None = None
     prompt_tokens: int = 8192
     seed: int = 0
     timeout: float = 60.0
     secret: str | None = None
     #: where each process's stderr (the engine's log) goes; ``None`` keeps it on the terminal
     log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is None:
+            self.num_blocks = pool_blocks(self.shape, self.prompt_tokens, self.num_layers)
+
+    @property
+    def blocks(self) -> int:
+        assert self.num_blocks is not None  # set in __post_init__
+        return self.num_blocks
 
 
 @dataclass
@@ -93,7 +133,12 @@ class Arena:
     def fill(self, seed: int) -> None:
         """Deterministic contents, so the other side can regenerate them to check bytes."""
         for i, buf in enumerate(self.buffers):
-            buf[:] = np.random.default_rng([seed, i]).integers(0, 256, buf.size, dtype=np.uint8)
+            buf[:] = self.contents(seed, i, buf.size)
+
+    @staticmethod
+    def contents(seed: int, index: int, size: int) -> np.ndarray:
+        """What ``fill(seed)`` puts in the ``index``-th buffer, of ``size`` bytes."""
+        return np.random.default_rng([seed, index]).integers(0, 256, size, dtype=np.uint8)
 
     @property
     def bases(self) -> list[int]:
@@ -122,7 +167,7 @@ def build_engine_cache(
     """One engine's cache (filled from ``role_seed``) and the block ids its request holds."""
     arena = Arena()
     spec = layout_spec(
-        SHAPES[config.shape], config.num_blocks, arena.allocate, num_layers=config.num_layers
+        SHAPES[config.shape], config.blocks, arena.allocate, num_layers=config.num_layers
     )
     layout = Layout(spec)
     arena.fill(role_seed)
@@ -131,25 +176,44 @@ def build_engine_cache(
 
 
 def verify_decode_cache(
-    config: DemoConfig, arena: Arena, layout: Layout, original: list[np.ndarray]
+    config: DemoConfig, arena: Arena, layout: Layout, original: list[np.ndarray] | None = None
 ) -> tuple[int, TransferPlan]:
     """Rebuild what D's cache must hold and compare every byte of every D buffer.
 
     P's cache is regenerated here from its seed (same contents, other addresses), and the
     request is planned against that copy, so the expected bytes never come from the transport.
+    What each D buffer held before the transfer is ``original``'s (turned into the expected
+    contents in place; doing so again gives the same bytes), or with ``None`` regenerated from
+    D's seed one buffer at a time, so that no copy of D's whole cache is held.
     """
     p_arena, p_layout, p_ids = build_engine_cache(config, config.seed)
     d_ids = request_block_ids(layout, config.prompt_tokens, np.random.default_rng(config.seed + 1))
     plan = plan_transfers(p_layout, layout, p_ids, d_ids)
     source = AddressMap(p_arena.bases, p_arena.buffers)
-    expected = [buf.copy() for buf in original]
-    target = AddressMap(arena.bases, expected)
-    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True):
-        target.view(d, n)[:] = source.view(s, n)
-    for got, want in zip(arena.buffers, expected, strict=True):
+    bases = arena.bases
+    # the D buffer each descriptor lands in (AddressMap refuses one that leaves it)
+    order = sorted(range(len(bases)), key=bases.__getitem__)
+    starts = np.array([bases[i] for i in order], dtype=np.uint64)
+    owner = np.searchsorted(starts, plan.dst, side="right") - 1
+    if plan.count and int(owner.min()) < 0:
+        raise ValueError("a descriptor lands below every decode buffer")
+    for rank, i in enumerate(order):
+        got = arena.buffers[i]
+        want = original[i] if original is not None else Arena.contents(config.seed + 1, i, got.size)
+        target = AddressMap([bases[i]], [want])
+        mine = owner == rank
+        for s, d, n in zip(
+            plan.src[mine].tolist(),
+            plan.dst[mine].tolist(),
+            plan.lengths[mine].tolist(),
+            strict=True,
+        ):
+            target.view(d, n)[:] = source.view(s, n)
         if not np.array_equal(got, want):
             bad = int(np.flatnonzero(got != want)[0])
-            raise AssertionError(f"decode cache differs from what prefill held at byte {bad}")
+            raise AssertionError(
+                f"decode cache differs from what prefill held at byte {bad} of buffer {i}"
+            )
     return int(sum(buf.size for buf in arena.buffers)), plan
 
 
@@ -201,7 +265,6 @@ def _decode_main(config: DemoConfig, conn: Connection, progress: bool) -> None:
     _redirect_engine_log(config, "decode")
     try:
         arena, layout, d_ids = build_engine_cache(config, config.seed + 1)
-        original = [buf.copy() for buf in arena.buffers]
         if not conn.poll(config.timeout):
             raise TimeoutError("no transfer parameters arrived from prefill")
         params = TransferParams.from_dict(conn.recv())
@@ -216,7 +279,7 @@ def _decode_main(config: DemoConfig, conn: Connection, progress: bool) -> None:
             outcome = plane.wait(params.request_id, config.timeout * 3)
         if not outcome.ok:
             raise RuntimeError(f"the request failed: {outcome.reason}")
-        verified, plan = verify_decode_cache(config, arena, layout, original)
+        verified, plan = verify_decode_cache(config, arena, layout)  # regenerates D's bytes
         stats = outcome.stats
         result = DemoResult(
             transport=config.transport,

@@ -12,7 +12,7 @@ import pytest
 
 from kvbridge.bench.cases import CASES, PATTERNS, load_source_module, pool_size, request_ids
 from kvbridge.bench.planning import minimum_descriptors
-from kvbridge.bench.report import grids
+from kvbridge.bench.report import _spread, grids, targets
 from kvbridge.bench.transfer import MODES, balanced_orders
 from kvbridge.cli import main
 from kvbridge.core import plan_transfers
@@ -152,3 +152,33 @@ def test_the_terminal_tables_show_brackets_as_written():
     text = console.export_text()
     for shown in ("kvbridge[mooncake] [/]", "way [x]", "'kvbridge[nixl]'", "see [/note]"):
         assert shown in text, text
+
+
+@pytest.mark.timeout(180)
+def test_the_transfer_report_says_how_it_rounded_and_how_noisy_it_is(small_run):
+    rows = small_run["transfer"]["results"]
+    if not rows:
+        pytest.skip("no usable transport")
+    lines = targets(small_run)
+    (grid,) = [g for g in grids(small_run) if g.title.startswith("Moving one request")]
+    # --transfer-mib 2 moved more than 2 MiB, and nothing said so
+    assert "--transfer-mib 2 rounded up to whole blocks" in " ".join(grid.notes)
+    moved = sorted({r["bytes"] for r in rows})
+    assert moved[-1] > 2 * 2**20
+    assert any(line.startswith("request size: --transfer-mib 2 rounded up") for line in lines)
+    for r in rows:
+        assert set(r["ratio_ranges"]) == set(r["ratios"])
+        span = r["ratio_ranges"]["kvbridge/raw"]
+        if span is not None:  # one repetition: min = max = the median
+            assert span[0] == span[1] == r["ratios"]["kvbridge/raw"]
+            (line,) = [x for x in lines if x.startswith(f"{r['transport']} {r['case']}:")]
+            assert "from 1 repetition: no spread measured, so the noise is unknown" in line
+
+
+def test_a_ratio_within_its_spread_is_called_noise():
+    within = _spread(3, [0.93, 1.08])
+    assert "ranging 93.0% to 108.0%" in within and "no difference beyond the noise" in within
+    beyond = _spread(3, [1.9, 2.6])
+    assert "all repetitions on one side of 100%" in beyond and "noise" not in beyond
+    assert "3 are few: --reps 5 or more" in beyond
+    assert "few" not in _spread(8, [1.9, 2.6])

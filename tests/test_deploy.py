@@ -85,3 +85,13 @@ def test_one_host_wait_fails_in_one_line_and_stops_what_it_started(tmp_path: Pat
     assert "not ready: the deployment exited before" in done.stderr, done.stderr
     assert "set MODEL to the model to serve" in done.stderr, done.stderr
     assert not (tmp_path / "one-host.pid").exists()
+
+
+def test_the_cli_copies_the_scripts_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    kvbridge = [sys.executable, "-m", "kvbridge.cli", "deploy-scripts", str(tmp_path / "d")]
+    first = subprocess.run(kvbridge, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "d" / "one-host.sh").is_file()
+    again = subprocess.run(kvbridge, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2
+    assert again.stderr.count("\n") == 1 and "give an empty or new folder" in again.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -188,6 +189,16 @@ def _check(args: argparse.Namespace) -> None:
         raise BenchUsageError("--plan-seconds must not be negative")
     if args.layers is not None and args.layers < 1:
         raise BenchUsageError("--layers must be positive")
+    if args.layers is not None:
+        fewest = min(args.shapes, key=lambda s: shapes[s].shape.num_layers)
+        most = shapes[fewest].shape.num_layers
+        if args.layers > most:
+            raise BenchUsageError(
+                f"--layers {args.layers} is more than the {most} layers {fewest} has; pass at "
+                f"most {most}, or leave --layers out for every model's own count"
+            )
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise BenchUsageError(f"--timeout must be a number of seconds above 0, got {args.timeout}")
     if args.transfer_mib <= 0:
         raise BenchUsageError("--transfer-mib must be positive")
 

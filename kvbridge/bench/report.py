@@ -134,7 +134,7 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
             [
                 r["transport"],
                 r["case"],
-                f"{r['bytes'] / 2**20:,.0f}",
+                f"{r['bytes'] / 2**20:,.1f}",
                 f"{r['descriptors']:,}",
                 _num(g.get("memcpy")),
                 _num(g.get("raw")),
@@ -151,6 +151,8 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
         )
     s = doc["settings"]
     notes = [
+        f"MiB: the request moved, --transfer-mib {s['target_mib']:g} rounded up to whole blocks "
+        "of each shape.",
         f"Throughput in GB/s: median of {s['reps']} repetitions after a verified warm-up, two "
         "processes on "
         f"127.0.0.1, block ids in runs of random length ({s['pattern']}). memcpy: the same "
@@ -159,7 +161,7 @@ def transfer_grid(doc: dict[str, Any]) -> Grid:
         "wait, release); transfer only: its submit and wait. no ctl. plane: kvbridge's plan + "
         "`Transport.transfer` alone. Ratios are medians of per-repetition ratios. verify "
         "sample/full: kvbridge with the integrity check on (xxh3 digests of 1 in 16 / all "
-        "descriptors on both sides); verify ms: the full check's own time."
+        "descriptors on both sides); verify ms: the full check's own time.",
     ]
     headers = [
         "transport",
@@ -192,6 +194,20 @@ def grids(doc: dict[str, Any]) -> list[Grid]:
     return [make(doc[key]) for key, make in makers if doc.get(key)]
 
 
+def _spread(reps: int, span: list[float] | None) -> str:
+    """How far a median ratio of ``reps`` repetitions can be trusted, in words."""
+    if reps < 2 or span is None:
+        return f"from {reps} repetition: no spread measured, so the noise is unknown"
+    low, high = span
+    if low <= 1 <= high:
+        verdict = "a range that holds 100%: no difference beyond the noise"
+    else:
+        verdict = "all repetitions on one side of 100%"
+        if reps < 5:
+            verdict += f", but {reps} are few: --reps 5 or more for a firmer figure"
+    return f"median of {reps} repetitions ranging {low:.1%} to {high:.1%}, {verdict}"
+
+
 def targets(doc: dict[str, Any]) -> list[str]:
     """The issue's measured targets, each with what this run found."""
     lines = []
@@ -212,14 +228,23 @@ def targets(doc: dict[str, Any]) -> list[str]:
             )
     transfer = doc.get("transfer")
     if transfer:
+        target = transfer["settings"]["target_mib"]
+        sizes = sorted({r["bytes"] for r in transfer["results"]})
+        if sizes and sizes[-1] > target * 2**20:
+            moved = ", ".join(f"{n / 2**20:,.1f}" for n in sizes)
+            lines.append(
+                f"request size: --transfer-mib {target:g} rounded up to whole blocks: {moved} MiB"
+            )
         for r in transfer["results"]:
             ratio = r["ratios"].get("kvbridge/raw")
             if ratio is not None:
                 g = r["gbps"]
                 alone = g["kvbridge_transfer"] / g["raw"] if g.get("raw") else None
+                spread = _spread(r["reps"], (r.get("ratio_ranges") or {}).get("kvbridge/raw"))
                 lines.append(
                     f"{r['transport']} {r['case']}: kvbridge end to end at {ratio:.1%} of the "
-                    f"raw engine's throughput (its transfer alone {_pct(alone)}; kvbridge's own "
+                    f"raw engine's throughput, {spread} (its transfer alone {_pct(alone)}; "
+                    "kvbridge's own "
                     f"cost {_num(r.get('own_ms'), 1)} ms per request: planning "
                     f"{_num(r['plan_ms'], 1)} ms ({_num(r.get('plan_warm_ms'), 2)} ms planned "
                     f"again with warm caches), the control plane "

@@ -381,11 +381,20 @@ def _summary(
     kv = samples.get("kvbridge", [])
     gbps["kvbridge_transfer"] = _median([nbytes / s["transfer_seconds"] / 1e9 for s in kv])
 
-    def ratio(fast: str, slow: str) -> float | None:
+    def per_rep(fast: str, slow: str) -> list[float]:
         # Throughput of ``slow`` over ``fast`` within each repetition: time(fast)/time(slow).
         if fast not in seconds or slow not in seconds:
-            return None
-        return _median([f / s for f, s in zip(seconds[fast], seconds[slow], strict=True)])
+            return []
+        return [f / s for f, s in zip(seconds[fast], seconds[slow], strict=True)]
+
+    pairs = {
+        "kvbridge/raw": ("raw", "kvbridge"),
+        "transport/raw": ("raw", "transport"),
+        "raw/memcpy": ("memcpy", "raw"),
+        "verify-sample/kvbridge": ("kvbridge", "verify-sample"),
+        "verify-full/kvbridge": ("kvbridge", "verify-full"),
+    }
+    reps = {key: per_rep(fast, slow) for key, (fast, slow) in pairs.items()}
 
     return {
         "transport": transport,
@@ -408,12 +417,11 @@ def _summary(
             [(s["seconds"] - s["transfer_seconds"] - s["plan_seconds"]) * 1e3 for s in kv]
         ),
         "gbps": gbps,
-        "ratios": {
-            "kvbridge/raw": ratio("raw", "kvbridge"),
-            "transport/raw": ratio("raw", "transport"),
-            "raw/memcpy": ratio("memcpy", "raw"),
-            "verify-sample/kvbridge": ratio("kvbridge", "verify-sample"),
-            "verify-full/kvbridge": ratio("kvbridge", "verify-full"),
+        "ratios": {key: _median(values) for key, values in reps.items()},
+        # The spread of each ratio over the repetitions, [min, max]: a ratio whose range holds
+        # 1 shows no difference beyond this machine's noise.
+        "ratio_ranges": {
+            key: [min(values), max(values)] if values else None for key, values in reps.items()
         },
         "verify_ms": {
             mode: _median([s["verify_seconds"] * 1e3 for s in samples.get(mode, [])])

@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.adapters.vllm.e2e.results_page     (or: make results-e2e)
 
 Reads the summaries the e2e tests leave in ``.e2e-results/`` (``pd-*.json``, ``tp-*.json``) and
-writes ``docs/results/vllm-e2e.md``: one table per claim, dated by the newest summary.
+writes ``docs/results/vllm-e2e-runs.md``: one table per claim, dated by the newest summary.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvbridge.bench.pages import write_page
 
 ROOT = Path(__file__).resolve().parents[4]
 RESULTS = ROOT / ".e2e-results"
-PAGE = ROOT / "docs" / "results" / "vllm-e2e.md"
+PAGE = ROOT / "docs" / "results" / "vllm-e2e-runs.md"
 COMMAND = "make test-e2e && make results-e2e"
 
 
@@ -118,7 +118,7 @@ def main() -> int:
     runs = [json.loads(f.read_text()) for f in files]
     write_page(
         PAGE,
-        "vLLM end to end",
+        "vLLM end to end: the last run",
         COMMAND,
         render(runs),
         when=max(f.stat().st_mtime for f in files),
