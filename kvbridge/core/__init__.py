@@ -31,6 +31,7 @@ from kvbridge.core.errors import (
     TransportConflictError,
     TransportError,
     TransportNotFoundError,
+    TransportOptionError,
     TransportUnavailableError,
 )
 from kvbridge.core.groups import CacheGroup, GroupKind
@@ -81,6 +82,7 @@ __all__ = [
     "TransportError",
     "TransportLimits",
     "TransportNotFoundError",
+    "TransportOptionError",
     "TransportUnavailableError",
     "align_block_ids",
     "pair_block_ids",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class KvbridgeError(Exception):
     """Base class of every error kvbridge raises on purpose."""
@@ -46,6 +49,11 @@ class TransportConflictError(TransportError):
 
 class TransportUnavailableError(TransportError, ImportError):
     """The transport is installed but its engine library cannot be loaded."""
+
+
+class TransportOptionError(TransportError, ValueError):
+    """A transport was given an option it does not take, or a value of the wrong type; the
+    message names the transport, the option and the options it takes."""
 
 
 class RegistrationError(TransportError):
@@ -105,3 +113,9 @@ class ControlError(CodedError):
 
 class OutcomeTimeoutError(KvbridgeError, TimeoutError):
     """A request has no outcome yet after the time a caller was willing to wait."""
+
+
+def did_you_mean(name: str, valid: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid name closest to a mistyped ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -11,6 +11,11 @@ with both named (``TransportConflictError``). A distribution found twice on ``sy
 editable install and its source tree, say) counts once: the first found, as
 ``importlib.metadata.entry_points`` does.
 
+Options are checked against the class before it is built (``kvbridge.core.contract``): a name it
+does not take or a value of the wrong type raises ``TransportOptionError`` with the transport's
+options. ``check_options(name, options)`` checks them without starting the engine (a
+configuration read at start, long before the transport is built).
+
 ``register_transport(name, cls)`` adds a transport class in this process only (a test's
 in-process transport, a wrapper that injects faults); it shadows an installed or registered name
 only with ``replace=True``. ``unregister_transport(name)`` takes it back.
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, distributions
 from typing import Any
 
+from kvbridge.core.contract import check_transport_options
 from kvbridge.core.errors import (
     TransportConflictError,
     TransportError,
@@ -38,6 +45,7 @@ __all__ = [
     "NAMESPACE",
     "TransportInfo",
     "available_transports",
+    "check_options",
     "load_transport",
     "load_transport_class",
     "register_transport",
@@ -198,8 +206,32 @@ def load_transport_class(name: str) -> type[Transport]:
 
 
 def load_transport(name: str, **options: Any) -> Transport:
-    """Instantiate the transport registered or installed under ``name`` with keyword ``options``."""
+    """Instantiate the transport registered or installed under ``name`` with keyword ``options``.
+
+    An option the transport does not take, or a value of the wrong type, raises
+    ``TransportOptionError`` naming the transport's options (``check_options``).
+    """
     return load_transport_class(name)(**options)
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """Check ``options`` against the transport ``name`` without starting it (its engine need not
+    load): ``TransportOptionError`` (one line: the option, a close match, the transport's
+    options) for an option it does not take or a value of the wrong type.
+
+    Checks nothing when ``name``'s class cannot be found or imported: building the transport
+    later says why.
+    """
+    cls = _registered.get(name)
+    if cls is None:
+        entries = _installed().get(name)
+        if not entries or len(entries) > 1:
+            return
+        try:
+            cls = _import_plugin(name, entries[0])
+        except TransportError:
+            return
+    check_transport_options(cls, options)
 
 
 def register_transport(name: str, cls: type[Transport], *, replace: bool = False) -> None:

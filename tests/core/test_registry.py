@@ -20,11 +20,12 @@ from kvbridge.core import (
     TransportConflictError,
     TransportLimits,
     TransportNotFoundError,
+    TransportOptionError,
     TransportUnavailableError,
     register_transport,
     unregister_transport,
 )
-from kvbridge.core.registry import load_transport_class
+from kvbridge.core.registry import check_options, load_transport_class
 
 PLUGIN = textwrap.dedent(
     '''
@@ -375,3 +376,113 @@ def test_the_seam_is_exported():
     assert kvbridge.unregister_transport is kvbridge.core.unregister_transport
     assert {"register_transport", "unregister_transport"} <= set(kvbridge.__all__)
     assert {"register_transport", "unregister_transport"} <= set(kvbridge.core.__all__)
+
+
+# -- options ------------------------------------------------------------------------------------
+
+#: Each installed transport, a typo of one of its options, the option meant, and every option.
+TYPOS = {
+    "mooncake": (
+        "protcol",
+        "protocol",
+        "device_name, hostname, max_batch, max_in_flight, metadata_server, port_range, "
+        "protocol, retries, timeout",
+    ),
+    "nixl": (
+        "backend",
+        "backends",
+        "agent_name, backends, device_id, host, port_range, progress_delay_us, progress_thread, "
+        "timeout, ucx",
+    ),
+    "cma": ("timout", "timeout", "allow_peers, retries, timeout"),
+}
+
+
+def _one_line(err: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("name", sorted(TYPOS))
+def test_a_mistyped_option_names_the_transport_a_close_match_and_its_options(name):
+    """Through load_transport, the class itself (what the vLLM worker calls) and check_options
+    (no engine started): the same one line, a kvbridge error (and a ValueError), not TypeError."""
+    load_transport_class(name)  # the engine is installed: the options are what fails below
+    typo, meant, valid = TYPOS[name]
+    expected = (
+        f"transport {name!r} has no option {typo!r} (did you mean {meant!r}?); its options are "
+        f"{valid}"
+    )
+    for build in (
+        lambda: kvbridge.load_transport(name, **{typo: 1}),
+        lambda: load_transport_class(name)(timeout=5.0, **{typo: 1}),
+        lambda: check_options(name, {typo: 1}),
+    ):
+        with pytest.raises(TransportOptionError) as err:
+            build()
+        assert _one_line(err) == expected
+        assert isinstance(err.value, ValueError) and not isinstance(err.value, TypeError)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("mooncake", {"max_batch": "1024"}, "option max_batch='1024' has type str; expected int"),
+        ("mooncake", {"protocol": 5}, "option protocol=5 has type int; expected str"),
+        ("cma", {"allow_peers": "yes"}, "option allow_peers='yes' has type str; expected bool"),
+        ("cma", {"retries": True}, "option retries=True has type bool; expected int"),
+        (
+            "nixl",
+            {"port_range": [7000, "7100"]},
+            "option port_range=[7000, '7100'] has type list; expected tuple[int, int] | None "
+            "(Expected `int`, got `str` - at `$[1]`)",
+        ),
+        ("nixl", {"ucx": ["TLS=tcp"]}, "option ucx=['TLS=tcp'] has type list; expected dict"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_one_line(name, options, message):
+    with pytest.raises(TransportOptionError) as err:
+        kvbridge.load_transport(name, **options)
+    assert _one_line(err).startswith(f"transport {name!r} {message}")
+
+
+def test_several_unknown_options_and_options_of_every_kind_pass_through():
+    with pytest.raises(TransportOptionError) as err:
+        check_options("cma", {"timeout": 1, "x": 1, "retires": 0})
+    assert _one_line(err) == (
+        "transport 'cma' has no options 'x', 'retires' (did you mean 'retries'?); its options "
+        "are allow_peers, retries, timeout"
+    )
+    # ints for floats, a string for nixl's backends, a list for a tuple: what JSON gives
+    check_options("cma", {"timeout": 1, "retries": 0, "allow_peers": False})
+    check_options("nixl", {"backends": "UCX", "port_range": [7000, 7100], "ucx": {"TLS": "tcp"}})
+    with kvbridge.load_transport("cma", timeout=2) as transport:
+        assert transport.timeout == 2.0
+    check_options("no-such-transport", {"anything": 1})  # building it says what is wrong
+
+
+class _Passing(_Local):
+    """Takes options of its own and passes the rest to its parent's ``__init__``."""
+
+    def __init__(self, *, extra: int = 0, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.extra = extra
+
+
+def test_options_passed_on_to_the_parent_class_count_and_registered_classes_are_checked(
+    registered,
+):
+    register_transport("passing", _Passing)
+    registered.append("passing")
+    t = kvbridge.load_transport("passing", extra=1, label="y")
+    assert (t.extra, t.label) == (1, "y")
+    t.close()
+    with pytest.raises(TransportOptionError) as err:
+        kvbridge.load_transport("passing", lable="y")
+    assert _one_line(err) == (
+        "transport 'local' has no option 'lable' (did you mean 'label'?); its options are "
+        "extra, label, timeout"
+    )
+    with pytest.raises(TransportOptionError, match="option extra='1' has type str; expected int"):
+        _Passing(extra="1")

@@ -21,7 +21,10 @@ Weak settings stop the connector at start (``kvbridge.control.exposure``): an em
 unless ``insecure`` is true.
 
 Every option is checked for its type and range when the connector starts (``Options.from_extra``):
-a bad one stops it with one line naming the option, the value and what is expected. The
+a bad one stops it with one line naming the option, the value and what is expected; an unknown
+one with the options there are (and a close match). ``transport_options`` are checked against
+the transport's own options there too (``kvbridge.core.registry.check_options``), without
+starting its engine. The
 environment sets the per-host values and wins over the JSON, which is typically shared by every
 instance: ``KVBRIDGE_HOST`` (``host``), ``KVBRIDGE_PORT`` (``port``), ``KVBRIDGE_SECRET`` or
 ``KVBRIDGE_SECRET_FILE`` (``secret``, replacing both ``secret`` and ``secret_file`` of the JSON).
@@ -31,6 +34,7 @@ vLLM (but for the layout names, when ``kv_layout`` is checked) or the control pl
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -45,7 +49,9 @@ import msgspec
 from kvbridge.adapters.vllm.layout import SPLIT_HEAD_KV, SPLIT_OPAQUE
 from kvbridge.control.exposure import refuse_weak_settings
 from kvbridge.control.requests import Mode, RankAddress, rank_engine_id
+from kvbridge.core.errors import TransportOptionError, did_you_mean
 from kvbridge.core.integrity import Verify
+from kvbridge.core.registry import check_options
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -61,6 +67,8 @@ ENV_HOST = "KVBRIDGE_HOST"
 ENV_PORT = "KVBRIDGE_PORT"
 ENV_SECRET = "KVBRIDGE_SECRET"
 ENV_SECRET_FILE = "KVBRIDGE_SECRET_FILE"
+#: Every variable the connector reads (``KVBRIDGE_LOG_LEVEL``: ``kvbridge.adapters.vllm.plugin``).
+ENV_NAMES = (ENV_HOST, "KVBRIDGE_LOG_LEVEL", ENV_PORT, ENV_SECRET, ENV_SECRET_FILE)
 
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
 _Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -188,6 +196,23 @@ def _secret(values: dict[str, Any], environ: Mapping[str, str]) -> str | None:
     return secret
 
 
+def _refuse_env_typos(environ: Mapping[str, str]) -> None:
+    """A ``KVBRIDGE_`` variable that is a near miss of one the connector reads (a typo that
+    would leave, say, the secret unset) stops it with one line; other names (a test harness's
+    own) are left alone."""
+    prefix = "KVBRIDGE_"
+    suffixes = {name[len(prefix) :]: name for name in ENV_NAMES}
+    for name in environ:
+        if name.startswith(prefix) and name not in ENV_NAMES:
+            close = difflib.get_close_matches(name[len(prefix) :], suffixes, n=1, cutoff=0.75)
+            if close:
+                raise ValueError(
+                    f"kvbridge: environment variable {name} is not one kvbridge reads (did you "
+                    f"mean {suffixes[close[0]]}?); rename or unset it (kvbridge reads "
+                    f"{', '.join(ENV_NAMES)})"
+                )
+
+
 def _env_overrides(values: dict[str, Any], environ: Mapping[str, str]) -> None:
     """``KVBRIDGE_HOST`` and ``KVBRIDGE_PORT`` set ``host`` and ``port`` over the JSON's."""
     for name, variable in (("host", ENV_HOST), ("port", ENV_PORT)):
@@ -264,11 +289,12 @@ class Options:
         extra = dict(extra or {})
         environ = os.environ if environ is None else environ
         known = set(cls.__dataclass_fields__) | {"secret_file"}
-        unknown = sorted(set(extra) - known)
+        unknown = [name for name in extra if name not in known]
         if unknown:
+            named = ", ".join(f"{name!r}{did_you_mean(str(name), known)}" for name in unknown)
             raise ValueError(
-                f"unknown kvbridge option(s) {unknown} in kv_connector_extra_config; "
-                f"known: {sorted(known)}"
+                f"kv_connector_extra_config has no kvbridge option{'s' if len(unknown) > 1 else ''}"
+                f" {named}; its options are {', '.join(repr(k) for k in sorted(known))}"
             )
         values: dict[str, Any] = {
             name: _layout_option(value) if name == "kv_layout" else _checked(name, value)
@@ -282,6 +308,7 @@ class Options:
                     f"connector for transport {default_transport!r} configured with "
                     f"transport {given!r}"
                 )
+        _refuse_env_typos(environ)
         _env_overrides(values, environ)
         secret = _secret(values, environ)
         if "prefill_peers" in values:  # the form P publishes its side channel in
@@ -289,7 +316,12 @@ class Options:
                 e if e.startswith("tcp://") else f"tcp://{e}" for e in values["prefill_peers"]
             )
         options = cls(**values, secret=secret)
-        options.transport_timed()  # a conflicting transport_options.timeout fails at start too
+        # A conflicting transport_options.timeout, an option the transport does not take or of
+        # the wrong type: at start too, not when the worker builds the transport
+        try:
+            check_options(options.transport, options.transport_timed())
+        except TransportOptionError as err:
+            raise TransportOptionError(f"kvbridge option transport_options: {err}") from None
         options.refuse_weak(1)
         return options
 

@@ -47,13 +47,16 @@ sending the request to D to D's first chunk), ``kvbridge_proxy_requests_in_fligh
 ``kvbridge_proxy_backend_errors_total`` by ``role``, ``backend`` (the server's URL) and ``kind``
 (one of ``FAILURE_KINDS``); plus the process's own ``process_*`` and ``python_*`` metrics.
 
-Without the ``proxy`` extra, ``main`` (``kvbridge-proxy``) says what to install and exits 2;
-``create_app`` raises ``ImportError``.
+``main`` (``kvbridge-proxy``) checks its whole command line before it binds anything
+(``kvbridge.adapters.vllm.proxy_args``): a server that is not an http(s) URL with a host and a
+port in 1-65535, a port, timeout, dispatch or log level out of its range, or a host and port
+this machine cannot listen on, each stop it with one line saying what to write, exit status 2.
+Without the ``proxy`` extra, ``main`` says what to install and exits 2; ``create_app`` raises
+``ImportError``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -65,7 +68,9 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvbridge.adapters.vllm import proxy_args
 from kvbridge.adapters.vllm.dispatch import concurrent_params, prefill_address
+from kvbridge.adapters.vllm.proxy_args import DISPATCHES as DISPATCHES
 
 try:
     import httpx
@@ -224,9 +229,6 @@ def prompt_count(body: dict[str, Any]) -> int:
 #: The keys of a client's ``kv_transfer_params`` the proxy passes on to P (the others are
 #: dropped; D gets only what P returned).
 CLIENT_PARAMS = frozenset({"kvbridge_mode"})
-#: How requests reach P and D: P first, then D with P's answer (vLLM's convention); or both at
-#: once, P streaming each layer to D as it is computed (``kvbridge.adapters.vllm.dispatch``).
-DISPATCHES = ("sequential", "concurrent")
 
 
 def checked_dispatch(dispatch: str) -> str:
@@ -615,48 +617,18 @@ def create_app(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: parse the servers and serve the proxy with uvicorn."""
+    """Command line: check every argument (``proxy_args``: one line and exit 2 for a mistake),
+    then serve the proxy with uvicorn."""
+    a = proxy_args.parse(argv, __doc__.splitlines()[0] if __doc__ else None)
     if _MISSING is not None:
         _missing_extra(_MISSING)
     try:
         import uvicorn
     except ImportError as exc:
         _missing_extra(exc)
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument(
-        "--prefill",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="prefill server (kv_producer); repeat for several",
-    )
-    ap.add_argument(
-        "--decode",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="decode server (kv_consumer); repeat for several",
-    )
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        help="seconds each upstream read may take (default 300)",
-    )
-    ap.add_argument("--connect-timeout", type=float, default=10.0)
-    ap.add_argument(
-        "--dispatch",
-        choices=DISPATCHES,
-        default="sequential",
-        help="sequential: P, then D with P's answer (default); concurrent: P and D at once, "
-        "each layer moving to D as P computes it (layer-wise push or pull: P's mode option)",
-    )
-    ap.add_argument("--log-level", default="info")
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    proxy_args.check_listen(a.host, a.port)
+    level = proxy_args.TRACE if a.log_level == "trace" else a.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
     app = create_app(
         a.prefill,
         a.decode,

@@ -38,6 +38,8 @@ Engine facts this module is built around (measured with nixl-cu12 1.5.1 on the C
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -104,11 +106,38 @@ class NixlMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def _import_nixl() -> Any:
-    """NIXL's ``_api`` module (``ImportError`` when the package is missing)."""
-    from nixl import _api
+    """NIXL's ``_api`` module (``ImportError`` when the package is missing).
 
+    ``import nixl`` picks its build (``nixl_cu12``, ...) by CUDA version, and where no CUDA
+    stack is loaded and torch's files name none (a CPU build, no torch) it imports torch to ask,
+    seconds before anything moves (``kvbridge transports`` took 3-6 s). Then it would take the
+    first build installed, so that one is imported here directly, without torch.
+    """
+    backend = _nixl_build_without_torch()
+    if backend is None:
+        from nixl import _api
+    else:
+        _api = importlib.import_module(f"{backend}._api")
     _quiet_nixl_logging()
     return _api
+
+
+def _nixl_build_without_torch() -> str | None:
+    """The build ``import nixl`` takes when choosing it would import torch; ``None`` when
+    ``import nixl`` chooses without torch (or is not the 1.5 meta package)."""
+    if "nixl" in sys.modules or any(m in sys.modules for m in ("torch", "cuda.bindings", "cupy")):
+        return None
+    try:
+        import nixl_meta_utils
+    except ImportError:
+        return None
+    from_disk = getattr(nixl_meta_utils, "_torch_cuda_version_from_disk", None)
+    if from_disk is None or from_disk() is not None:
+        return None
+    for name in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):  # the meta package's order
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
 
 
 def _quiet_nixl_logging() -> None:
@@ -315,7 +344,7 @@ class NixlTransport(Transport):
     def __init__(
         self,
         *,
-        backends: Sequence[str] = ("UCX",),
+        backends: str | Sequence[str] = ("UCX",),
         agent_name: str | None = None,
         progress_thread: bool = True,
         progress_delay_us: int = 1000,

@@ -44,7 +44,7 @@ def test_valid_options_are_converted_and_defaults_kept() -> None:
     options = Options.from_extra(
         {
             "transport": "cma",
-            "transport_options": {"protocol": "tcp"},
+            "transport_options": {"allow_peers": False},
             "mode": "push",
             "host": "10.0.0.1",
             "port": 65535,
@@ -60,7 +60,7 @@ def test_valid_options_are_converted_and_defaults_kept() -> None:
     assert options.mode is Mode.PUSH and options.verify is Verify.SAMPLE
     assert isinstance(options.timeout, float) and options.timeout == 10.0
     assert (options.port, options.lease, options.kv_layout) == (65535, 0.5, "BLHNC")
-    assert options.secret == SECRET and options.transport_options == {"protocol": "tcp"}
+    assert options.secret == SECRET and options.transport_options == {"allow_peers": False}
     assert Options.from_extra({"port": 1, "kv_split": None}, None).port == 1
     # prefill side channels take the form P publishes its own in
     peers = Options.from_extra({"prefill_peers": ["10.0.0.1:5790", "tcp://p2:5791"]}, None)
@@ -141,6 +141,95 @@ def test_unknown_options_and_transport_conflicts_are_still_refused() -> None:
     assert "'secret_file'" in _error({"secert": SECRET})  # the known names include the new one
     assert SECRET not in _error({"secert": SECRET})
     assert "configured with transport 'mooncake'" in _error({"transport": "mooncake"}, "nixl")
+
+
+def test_an_unknown_option_names_a_close_match_and_every_option() -> None:
+    message = _error({"secert": SECRET, "prot": 5790})
+    assert message.startswith(
+        "kv_connector_extra_config has no kvbridge options 'secert' (did you mean 'secret'?), "
+        "'prot' (did you mean 'port'?); its options are 'bootstrap_port', "
+    )
+    assert "'transport_options'" in message and "'verify'" in message
+
+
+#: Each installed transport, a typo of one of its options, and the option meant.
+TRANSPORT_TYPOS = {
+    "mooncake": ("protcol", "protocol"),
+    "nixl": ("backend", "backends"),
+    "cma": ("timout", "timeout"),
+}
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORT_TYPOS))
+def test_a_mistyped_transport_option_fails_at_start_naming_the_transports_options(
+    transport: str,
+) -> None:
+    """At the connector's start (before vLLM loads the model), not when a worker builds the
+    transport: the transport's own check (``kvbridge.core.registry.check_options``)."""
+    typo, meant = TRANSPORT_TYPOS[transport]
+    message = _error({"transport": transport, "transport_options": {typo: "x"}})
+    assert message.startswith(
+        f"kvbridge option transport_options: transport {transport!r} has no option {typo!r} "
+        f"(did you mean {meant!r}?); its options are "
+    )
+    assert "timeout" in message.split("its options are ")[1]
+    # the per-transport connector (KVBridgeConnector-<name>) too
+    assert message == _error({"transport_options": {typo: "x"}}, transport)
+
+
+def test_a_transport_option_of_the_wrong_type_fails_at_start() -> None:
+    message = _error({"transport": "mooncake", "transport_options": {"max_batch": "1024"}})
+    assert message == (
+        "kvbridge option transport_options: transport 'mooncake' option max_batch='1024' has "
+        "type str; expected int"
+    )
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORT_TYPOS))
+def test_vllm_starting_the_connector_refuses_a_mistyped_transport_option(transport: str) -> None:
+    register()
+    typo, meant = TRANSPORT_TYPOS[transport]
+    ktc = KVTransferConfig(
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_both",
+        engine_id="e",
+        kv_connector_extra_config={"transport": transport, "transport_options": {typo: 1}},
+    )
+    with pytest.raises(ValueError, match=rf"\(did you mean '{meant}'\?\); its options are "):
+        KVBridgeConnector.get_required_kvcache_layout(VllmConfig(kv_transfer_config=ktc))
+
+
+@pytest.mark.parametrize(
+    ("variable", "meant"),
+    [
+        ("KVBRIDGE_SECERT", "KVBRIDGE_SECRET"),
+        ("KVBRIDGE_SECRETFILE", "KVBRIDGE_SECRET_FILE"),
+        ("KVBRIDGE_PROT", "KVBRIDGE_PORT"),
+        ("KVBRIDGE_HSOT", "KVBRIDGE_HOST"),
+        ("KVBRIDGE_LOGLEVEL", "KVBRIDGE_LOG_LEVEL"),
+    ],
+)
+def test_a_mistyped_environment_variable_stops_the_connector(
+    monkeypatch: pytest.MonkeyPatch, variable: str, meant: str
+) -> None:
+    """A near miss of a variable the connector reads (KVBRIDGE_SECERT: no secret after all) is
+    refused when vLLM starts the connector; other KVBRIDGE_ names (a harness's) are not."""
+    monkeypatch.setenv(variable, SECRET)
+    register()
+    ktc = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_both", engine_id="e")
+    with pytest.raises(ValueError) as err:
+        KVBridgeConnector.get_required_kvcache_layout(VllmConfig(kv_transfer_config=ktc))
+    assert str(err.value) == (
+        f"kvbridge: environment variable {variable} is not one kvbridge reads (did you mean "
+        f"{meant}?); rename or unset it (kvbridge reads KVBRIDGE_HOST, KVBRIDGE_LOG_LEVEL, "
+        "KVBRIDGE_PORT, KVBRIDGE_SECRET, KVBRIDGE_SECRET_FILE)"
+    )
+    assert SECRET not in str(err.value)
+
+
+def test_other_kvbridge_variables_are_left_alone() -> None:
+    environ = {"KVBRIDGE_E2E": "1", "KVBRIDGE_TEST_FAULTS": "/tmp/x", "KVBRIDGE_TRANSPORT": "x"}
+    assert Options.from_extra({}, None, environ=environ) == Options()
 
 
 def test_a_conflicting_transport_timeout_fails_at_start() -> None:

@@ -71,8 +71,6 @@ def check_landed(rows: list[dict]) -> None:
             assert r["d_landed_after_s"] and r["d_landed_after_s"] > 0, (r["mode"], r["prompt"])
 
 
-
-
 #: The bf16 cases compare a split computation (P prefills N-1 tokens, D computes the rest) with
 #: one instance's: D's log-probs must lie within the case's measured bound of the single
 #: instance's at every step the two share, and the tokens may part only at a near tie
