@@ -17,6 +17,7 @@ served quick start in ``tests/adapters/vllm/e2e/test_quickstart.py``):
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,3 +77,19 @@ def all_blocks() -> list[Block]:
 def of_kind(kind: str) -> list[Block]:
     """The blocks checked as ``kind``."""
     return [block for block in all_blocks() if block.kind == kind]
+
+
+def run_block(
+    block: Block, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``block`` as a reader pastes it: ``bash -e`` (pipefail) in ``cwd``, output captured."""
+    script = cwd / "block.sh"
+    script.write_text(block.text)
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", str(script)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

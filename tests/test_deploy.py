@@ -64,7 +64,7 @@ def test_readiness_stops_when_the_deployment_exits(server: str) -> None:
 
 def test_one_host_wait_fails_in_one_line_and_stops_what_it_started(tmp_path: Path) -> None:
     """No MODEL: P and D exit at once; --wait says so and leaves nothing running."""
-    env = {k: v for k, v in os.environ.items() if k != "MODEL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "KVBRIDGE_SECRET_FILE")}
     env.update(
         LOG_DIR=str(tmp_path),
         PYTHON=sys.executable,
@@ -85,6 +85,8 @@ def test_one_host_wait_fails_in_one_line_and_stops_what_it_started(tmp_path: Pat
     assert "not ready: the deployment exited before" in done.stderr, done.stderr
     assert "set MODEL to the model to serve" in done.stderr, done.stderr
     assert not (tmp_path / "one-host.pid").exists()
+    # no secret: said on the terminal that started it, not only in the engines' logs
+    assert "note: no KVBRIDGE_SECRET_FILE" in done.stderr, done.stderr
 
 
 def test_the_cli_copies_the_scripts_and_refuses_to_overwrite(tmp_path: Path) -> None:

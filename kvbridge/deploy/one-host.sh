@@ -40,8 +40,14 @@ stop() {
   echo "stopped prefill, decode and ${ROUTER:-vllm-router}" >&2
 }
 
+[ "${1:-}" = --stop ] && { stop; exit; }
+# said on the terminal that started it (with --wait, the rest logs to one-host.log)
+if [ -z "${KVBRIDGE_SECRET_FILE:-}${KVBRIDGE_SECRET:-}" ] && [ -z "${ONE_HOST_DETACHED:-}" ]; then
+  echo "note: no KVBRIDGE_SECRET_FILE: the side channels listen on $KVBRIDGE_HOST only, without" \
+       "authentication (docs: getting started, secrets)" >&2
+fi
+
 case "${1:-}" in
-  --stop) stop; exit ;;
   --wait)
     shift
     if [ -f "$pidfile" ] && kill -0 -- "-$(cat "$pidfile")" 2>/dev/null; then
@@ -49,7 +55,7 @@ case "${1:-}" in
       exit 1
     fi
     # the same script in the foreground, in a process group of its own, detached from this shell
-    setsid bash "$here/one-host.sh" "$@" >"$LOG_DIR/one-host.log" 2>&1 </dev/null &
+    ONE_HOST_DETACHED=1 setsid bash "$here/one-host.sh" "$@" >"$LOG_DIR/one-host.log" 2>&1 </dev/null &
     echo $! >"$pidfile"
     echo "starting prefill, decode and ${ROUTER:-vllm-router} (logs in $LOG_DIR); waiting for" \
          "/health (up to ${READY_TIMEOUT:-900} s)" >&2
@@ -67,11 +73,6 @@ case "${1:-}" in
     echo "ready: http://${PROXY_HOST:-127.0.0.1}:${PROXY_PORT:-8000} (stop with: $0 --stop)" >&2
     exit 0 ;;
 esac
-
-if [ -z "${KVBRIDGE_SECRET_FILE:-}${KVBRIDGE_SECRET:-}" ]; then
-  echo "note: no KVBRIDGE_SECRET_FILE: the side channels listen on $KVBRIDGE_HOST only, without" \
-       "authentication (getting started, secrets: how to set one)" >&2
-fi
 
 # side VAR_PREFIX: the per-instance environment (only what is set)
 side() {
