@@ -15,17 +15,18 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(sys.executable).parent / "kvbridge-proxy"
-P, D = "http://127.0.0.1:9", "http://127.0.0.1:10"  # nothing answers there (discard, unassigned)
-
-pytestmark = pytest.mark.skipif(
-    not SCRIPT.is_file(), reason="run `pip install -e .` to install the console scripts"
+_SCRIPT = Path(sys.executable).parent / "kvbridge-proxy"
+#: The installed console script; where this interpreter's environment has none (the vLLM 0.33
+#: environment, which sees the main one's packages), the same ``main`` through ``-m``.
+COMMAND = (
+    [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "kvbridge.adapters.vllm.proxy"]
 )
+P, D = "http://127.0.0.1:9", "http://127.0.0.1:10"  # nothing answers there (discard, unassigned)
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(SCRIPT), *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+        [*COMMAND, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
     )
 
 
@@ -131,7 +132,7 @@ def test_good_arguments_serve_with_any_case_of_log_level() -> None:
     port = free_port()
     proc = subprocess.Popen(
         [
-            *(str(SCRIPT), "--prefill", P + "/", "--decode", D, "--port", str(port)),
+            *(*COMMAND, "--prefill", P + "/", "--decode", D, "--port", str(port)),
             *("--log-level", "WARNING", "--timeout", "5", "--connect-timeout", "1"),
         ],
         stdout=subprocess.PIPE,
