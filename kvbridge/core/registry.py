@@ -189,20 +189,27 @@ def load_transport_class(name: str) -> type[Transport]:
 
     Imports only that transport's plugin.
     """
-    cls = _registered.get(name)
-    if cls is None:
-        entries = _installed().get(name)
-        if not entries:
-            raise TransportNotFoundError(
-                f"no transport named {name!r}; installed or registered transports: "
-                f"{_known_names()}. A transport is a package that declares an entry point in "
-                f"the {NAMESPACE!r} group, or a class given to kvbridge.register_transport"
-            )
-        if len(entries) > 1:
-            raise TransportConflictError(_conflict_message(name, entries))
-        cls = _import_plugin(name, entries[0])
+    cls = _find_class(name)
     cls.check_available()
     return cls
+
+
+def _find_class(name: str) -> type[Transport]:
+    """The class registered or installed under ``name``, its plugin imported, its engine not
+    probed; ``TransportError`` (not found, two of the name, an import that failed) if none."""
+    cls = _registered.get(name)
+    if cls is not None:
+        return cls
+    entries = _installed().get(name)
+    if not entries:
+        raise TransportNotFoundError(
+            f"no transport named {name!r}; installed or registered transports: "
+            f"{_known_names()}. A transport is a package that declares an entry point in "
+            f"the {NAMESPACE!r} group, or a class given to kvbridge.register_transport"
+        )
+    if len(entries) > 1:
+        raise TransportConflictError(_conflict_message(name, entries))
+    return _import_plugin(name, entries[0])
 
 
 def load_transport(name: str, **options: Any) -> Transport:
@@ -222,15 +229,10 @@ def check_options(name: str, options: Mapping[str, Any]) -> None:
     Checks nothing when ``name``'s class cannot be found or imported: building the transport
     later says why.
     """
-    cls = _registered.get(name)
-    if cls is None:
-        entries = _installed().get(name)
-        if not entries or len(entries) > 1:
-            return
-        try:
-            cls = _import_plugin(name, entries[0])
-        except TransportError:
-            return
+    try:
+        cls = _find_class(name)
+    except TransportError:
+        return
     check_transport_options(cls, options)
 
 
