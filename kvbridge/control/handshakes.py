@@ -1,7 +1,15 @@
 """Peer handshakes: exchanging layouts and transport metadata, and the side-channel clients.
 
-Either side answers a handshake (it learns the peer's layout and connects its transport to the
-peer's); D starts one before its first transfer with a P, and again when that P restarted.
+Either side answers a handshake (it learns the peer's layout and the peer's transport metadata);
+D starts one before its first transfer with a P, and again when that P restarted, and connects its
+transport to P's at once: D reads (pull), or is written (push), through that connection.
+
+The answering side (P) connects its transport to D's only when it must write there (a push):
+a P that only serves reads holds no transport endpoint towards its D ranks, as in vLLM's own
+NIXL connector. Measured reason, beyond the endpoints saved: with NIXL over UCX 1.23's TCP
+transport, when both sides open endpoints to each other and D dies while they are still being
+set up, UCX aborts P (``stubs.c`` assertion while destroying a TCP endpoint with requests still
+pending); with D's endpoint alone, P logs the refused reconnect and lives on.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,12 +58,27 @@ class RemoteEngine:
     engine_id: str
     layout: Layout
     endpoint: str
-    #: the transport's connection to it; an answered handshake connects in the background
-    connected: Future[None] = field(default_factory=_done)
+    #: the transport's connection to it; ``None`` until ``connect_soon`` starts it (an
+    #: answered handshake connects only when this side must write to the peer)
+    connected: Future[None] | None = field(default_factory=_done)
+    #: starts that connection in the background (set where ``connected`` starts as ``None``)
+    start_connect: Callable[[], Future[None]] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def connect_soon(self) -> Future[None]:
+        """The transport's connection to this engine, started now if nothing started it yet;
+        does not block."""
+        with self._lock:
+            if self.connected is None:
+                if self.start_connect is None:
+                    raise RuntimeError(f"no way to connect to engine {self.engine_id!r}")
+                self.connected = self.start_connect()
+            return self.connected
 
     def wait_connected(self, timeout: float) -> None:
-        """Block until the transport reaches this engine; its connect error, if it failed."""
-        self.connected.result(timeout)
+        """Block until the transport reaches this engine (connecting first if nothing did); its
+        connect error, if it failed."""
+        self.connect_soon().result(timeout)
 
 
 class Handshakes:
@@ -116,14 +140,16 @@ class Handshakes:
                 "transport_mismatch",
                 f"peer uses transport {body.transport!r}, this engine {ctx.transport.name!r}",
             )
-        # Only a push needs this side's transport to reach the peer: connect after answering,
-        # so the peer's own connect (tens of ms with NIXL's add_remote_agent) runs meanwhile
-        # instead of after ours. A push waits for it (``wait_connected``).
-        connecting = ctx.peer_waits.submit(ctx.transport.connect, body.engine_id, body.metadata)
-        connecting.add_done_callback(partial(_log_connect_failure, body.engine_id))
+        # Only a push needs this side's transport to reach the peer: it connects when the
+        # first push from this peer is asked for (``connect_soon``), not here (module
+        # docstring: a pull-only P opens no transport endpoint towards D).
         with self._lock:
             self._remotes[body.engine_id] = RemoteEngine(
-                body.engine_id, remote, body.endpoint, connecting
+                body.engine_id,
+                remote,
+                body.endpoint,
+                None,
+                partial(self._start_connect, body.engine_id, body.metadata),
             )
         if body.endpoint:
             # This side will tell the peer things (a push's end, a layer-wise pull's layers):
@@ -131,6 +157,12 @@ class Handshakes:
             # first of them does not pay for it.
             ctx.peer_waits.submit(self._greet, body.endpoint)
         return self._own()
+
+    def _start_connect(self, engine_id: str, metadata: bytes) -> Future[None]:
+        """Connect the transport to a peer that handshook us, in the background."""
+        connecting = self._ctx.peer_waits.submit(self._ctx.transport.connect, engine_id, metadata)
+        connecting.add_done_callback(partial(_log_connect_failure, engine_id))
+        return connecting
 
     def _greet(self, endpoint: str) -> None:
         """Connect and authenticate the side-channel client to a peer that handshook with us

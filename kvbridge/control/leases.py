@@ -233,7 +233,7 @@ class Leases:
             if isinstance(push, StreamRequest):  # D reads: tell it, off the forward pass
                 self._tell_ready(key, remote, part, layers)
                 continue
-            connected = remote.connected
+            connected = remote.connect_soon()
             if not connected.done() or connected.exception() is not None:
                 continue
             with self._lock:
@@ -563,6 +563,7 @@ class Leases:
             )
         if isinstance(body, PushRequest):
             body.block_ids = checked_ids(remote.layout, body.block_ids, "destination")
+            remote.connect_soon()  # P writes to this rank: connect meanwhile, off the push
         if lease is None:
             key = (rid, body.rank, body.token)
             if key in self._pending_push:

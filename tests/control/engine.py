@@ -237,6 +237,9 @@ def handle(
             return sorted([*reading, *plane._finished])
     if name == "transport":  # what the transport announces to peers (Mooncake: its session)
         return {"name": plane.transport.name, "session": getattr(plane.transport, "session", None)}
+    if name == "transport_peers":  # the engines this one's transport is connected to
+        with plane.transport._lock:
+            return sorted(plane.transport._peers)
     if name == "pending_push":
         with plane._lock:
             return sorted(rid for rid, *_ in plane._prefill._pending_push)

@@ -55,6 +55,11 @@ def test_one_prefill_serves_two_decodes(engines, transport):
     pairs2 = run_requests(p, d2, 16, "push", rng, p_alloc, BlockAllocator(d2.layout, 5), "b")
     check_bytes(d1, [{"config": p.config, "pairs": pairs1}])
     check_bytes(d2, [{"config": p.config, "pairs": pairs2}])
+    # P's transport reaches only the decode it wrote to: serving reads opens no endpoint
+    # towards the reader (handshakes' module docstring: NIXL/UCX aborted P when both sides
+    # opened endpoints and D died while they were being set up).
+    assert p.call(cmd="transport_peers") == [d2.info["engine_id"]]
+    assert d1.call(cmd="transport_peers") == [p.info["engine_id"]]
 
 
 def test_prefill_restarted_between_two_requests(engines, transport):

@@ -280,7 +280,8 @@ def test_decode_rank_killed_mid_transfer(engines, engine_name):
     while 1 not in p[0].call(cmd="readers").get("half", [1]) and time.monotonic() < deadline:
         time.sleep(0.001)
     d[1].kill(signal.SIGKILL)
-    assert d[0].call(cmd="wait", request_id="half", timeout=60)["ok"]
+    loaded = d[0].call(cmd="wait", request_id="half", timeout=60)
+    assert loaded["ok"], loaded
     assert d[0].call(
         cmd="verify_tp", timeout=120, sources=[r.config for r in p], requests=[(p_ids, d_ids)]
     )["ok"]
