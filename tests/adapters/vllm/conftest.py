@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -24,6 +26,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from tests.vllm_triton_cpu import allow_x86_without_triton
+
+allow_x86_without_triton()  # vLLM 0.34's configs on an x86 CPU without triton-cpu (test-only)
 
 NUM_BLOCKS = 16
 BLOCK = 64  # logical block size; CPU attention kernels need a multiple of 32
@@ -93,6 +99,14 @@ def make_request(
     return Request(request_id, list(range(1, prompt_len + 1)), sp, None)
 
 
+def new_request_data(request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
+    """vLLM's ``NewRequestData.from_request`` for a scheduled request (0.34 also takes the
+    tokens to prefill: ``request.prefill_token_ids``)."""
+    if "prefill_token_ids" in inspect.signature(NewRequestData.from_request).parameters:
+        return NewRequestData.from_request(request, block_ids, request.prefill_token_ids)
+    return NewRequestData.from_request(request, block_ids)
+
+
 def blocks_of(ids_per_group: list[list[int]], hashed: int = 0) -> KVCacheBlocks:
     """vLLM allocation result; the first ``hashed`` blocks of each group count as cached."""
     groups = []
@@ -102,7 +116,7 @@ def blocks_of(ids_per_group: list[list[int]], hashed: int = 0) -> KVCacheBlocks:
             blk = KVCacheBlock(b)
             blk.is_null = b == 0
             if j < hashed and b != 0:
-                blk._block_hash = b"h%d" % j  # a cached block: hash set
+                blk.set_block_hash(b"h%d" % j)  # a cached block: hash set
             group.append(blk)
         groups.append(group)
     return KVCacheBlocks(tuple(groups))

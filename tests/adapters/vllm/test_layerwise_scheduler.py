@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 
 import pytest
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.request import RequestStatus
 
 from kvbridge.adapters.vllm.scheduler import LAYERWISE_KEY, PARAMS_KEY, GroupInfo, SchedulerState
 from kvbridge.control.requests import Mode, RankAddress, TransferParams
 from kvbridge.core import GroupKind
-from tests.adapters.vllm.conftest import make_request
+from tests.adapters.vllm.conftest import make_request, new_request_data
 
 HYBRID = [GroupInfo(0, GroupKind.ATTENTION, block_size=32), GroupInfo(1, GroupKind.STATE)]
 WINDOWED = [
@@ -30,7 +30,7 @@ def state(groups=HYBRID) -> SchedulerState:
 
 def step_new(req, block_ids, scheduled: int) -> SchedulerOutput:
     out = SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [NewRequestData.from_request(req, block_ids)]
+    out.scheduled_new_reqs = [new_request_data(req, block_ids)]
     out.num_scheduled_tokens = {req.request_id: scheduled}
     return out
 

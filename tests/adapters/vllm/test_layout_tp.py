@@ -215,7 +215,11 @@ def build_rank(kind: str, layout: str, tp: int, ratio: int) -> VllmCaches:
 def state_views(caches: VllmCaches, layer: str) -> tuple[torch.Tensor, ...]:
     """A Mamba layer's states as the layer binds them (vLLM's ``MambaBase.bind_kv_cache``)."""
     spec: Any = caches.layer_spec(layer)
-    fake = SimpleNamespace(get_state_shape=lambda: spec.shapes, get_state_dtype=lambda: spec.dtypes)
+    fake = SimpleNamespace(
+        get_state_shape=lambda: spec.shapes,
+        get_state_dtype=lambda: spec.dtypes,
+        state_alignment=getattr(spec, "state_alignment", 1),  # vLLM 0.34 pads each state to it
+    )
     MambaBase.bind_kv_cache(fake, caches.views[layer])  # type: ignore[arg-type]
     return tuple(fake.kv_cache)
 
