@@ -144,6 +144,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34 asks under EAGLE's block drop whether the last block hashes may read the
+        drafter's lookahead tokens: no, vLLM's default. Lookahead hashing changes which
+        prompt blocks count as complete on P and on D, and speculative decoding's draft KV is
+        not yet proven through kvbridge; with no, vLLM hashes without lookahead, as it does
+        for every connector that does not say yes."""
+        return False
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """vLLM 0.33 asks before it starts an engine with ``--enable-sleep-mode``: no (sleeping
         remaps the KV cache that the transport registered and peers read or write)."""
@@ -172,6 +181,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34 (with ``--max-num-inflight-kv-loads``): exactly the requests that may
+        load, so a request prefilled here never waits for a load's slot."""
+        return self._sched().may_load_async(request)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # A load restores every transfer group, STATE included (not only prefix-cacheable ones).

@@ -121,10 +121,13 @@ def register() -> None:
     configure_logging()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        from kvbridge.adapters.vllm.versions import registered_connectors
     except ImportError:  # vLLM absent or too old: nothing to register with
         return
+    known = set(registered_connectors())
     for name, transport in connector_names().items():
-        if name in KVConnectorFactory._registry:
+        if name in known:
             continue
         if transport is None:
             KVConnectorFactory.register_connector(name, _MODULE, "KVBridgeConnector")

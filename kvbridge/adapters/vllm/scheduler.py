@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.adapters.vllm.bootstrap import BootstrapError, BootstrapLookups
+from kvbridge.adapters.vllm.versions import drop_prompt_tail, resumed_req_ids
 from kvbridge.control import auth
 from kvbridge.control.holds import HoldBudget
 from kvbridge.control.refusals import RefusalLog
@@ -261,10 +262,7 @@ class SchedulerState:
             return
         if request.prompt_token_ids is None:  # prompt embeddings: nothing we can cut safely
             return
-        cut = total - keep
-        del request.prompt_token_ids[-cut:]
-        del request._all_token_ids[-cut:]
-        request.num_prompt_tokens = keep
+        drop_prompt_tail(request, total - keep)
         request.max_tokens = 1
 
     # -- D: how much to load ----------------------------------------------------------------------
@@ -291,6 +289,18 @@ class SchedulerState:
             # Never ask for more than P computed (a P configured differently, or a shorter prompt).
             count = min(count, max(0, remote.num_tokens - num_computed_tokens))
         return count, count > 0
+
+    def may_load_async(self, request: Any) -> bool:
+        """Whether ``get_num_new_matched_tokens`` may answer a load for this request (vLLM
+        0.34 asks it, cheaply, as the request enters a waiting queue, and with
+        ``--max-num-inflight-kv-loads`` lets such requests start their loads while the running
+        batch is full). Exactly the requests that may load: marked for a remote prefill, not
+        loaded yet, with kvbridge's parameters or vllm-router's bootstrap address; a request
+        whose parameters are not ours is prefilled here and must not take a load's slot."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or params.get(PROCESSED_KEY):
+            return False
+        return isinstance(params.get(PARAMS_KEY), Mapping) or params.get(BOOTSTRAP_KEY) is not None
 
     def _from_bootstrap(self, request: Any, params: dict[str, Any]) -> bool:
         """vllm-router's mooncake mode: D's kvbridge parameters from P's bootstrap ``/query``
@@ -503,16 +513,23 @@ class SchedulerState:
     def _layerwise_steps(self, out: Any) -> list[LayerwiseStep]:
         """Follow the tracked requests' block lists through the step's output (new requests
         bring theirs whole, running ones the blocks added, resumed ones theirs anew) and name
-        those whose prompt this step completes."""
+        those whose prompt this step completes.
+
+        A preempted request resumes with new blocks: vLLM 0.34 sends it among the new requests
+        with its whole block table, 0.32 and 0.33 among the cached ones, named in
+        ``resumed_req_ids``. Either way every chunk streams again from block 0 (the stream then
+        sees P's ids change and fails the transfer, fenced: ``kvbridge.control.streams``).
+        """
         scheduled: dict[str, int] = out.num_scheduled_tokens
         seen: list[tuple[str, int]] = []
         for new in out.scheduled_new_reqs:
             tracked = self._layerwise.get(new.req_id)
             if tracked is not None:
                 tracked.blocks = [list(b) for b in new.block_ids]
+                tracked.streamed = {}  # a no-op for a new request; a resumed one starts over
                 seen.append((new.req_id, int(new.num_computed_tokens)))
         cached = out.scheduled_cached_reqs
-        resumed: set[str] = set(getattr(cached, "resumed_req_ids", ()) or ())
+        resumed = resumed_req_ids(cached)
         for i, rid in enumerate(cached.req_ids):
             tracked = self._layerwise.get(rid)
             if tracked is None:

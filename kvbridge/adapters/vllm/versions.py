@@ -1,11 +1,18 @@
-"""What differs between the vLLM releases kvbridge supports (0.32 and 0.33), in one place.
+"""What differs between the vLLM releases kvbridge supports (0.32, 0.33, 0.34), in one place,
+and every private field of vLLM's that kvbridge reads or writes.
 
-vLLM 0.33 moved the KV cache planning functions from ``vllm.v1.core.kv_cache_utils`` to
-``vllm.v1.core.kv_cache_planning`` without re-exporting them; callers import them from here.
+- 0.33 moved the KV cache planning functions from ``vllm.v1.core.kv_cache_utils`` to
+  ``vllm.v1.core.kv_cache_planning`` without re-exporting them; callers import them from here.
+- 0.34 removed ``CachedRequestData.resumed_req_ids``: a preempted request comes back in
+  ``scheduled_new_reqs`` with its whole block table (``resumed_req_ids`` says which cached
+  requests resumed on 0.32/0.33, and is empty on 0.34).
+- Private fields: ``Request._all_token_ids`` (P cuts its prompt to the tokens it prefills) and
+  ``KVConnectorFactory._registry`` (the plugin registers each connector name once).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -26,3 +33,26 @@ def get_kv_cache_groups(*args: Any, **kwargs: Any) -> Any:
 def get_kv_cache_config_from_groups(*args: Any, **kwargs: Any) -> Any:
     """vLLM's ``get_kv_cache_config_from_groups`` (placement of the groups in memory)."""
     return kv_cache_planning().get_kv_cache_config_from_groups(*args, **kwargs)
+
+
+def resumed_req_ids(cached_reqs: Any) -> set[str]:
+    """The cached requests of a step that resumed after a preemption (vLLM 0.32 and 0.33's
+    ``CachedRequestData.resumed_req_ids``); empty on 0.34, which sends them as new requests."""
+    return set(getattr(cached_reqs, "resumed_req_ids", ()) or ())
+
+
+def drop_prompt_tail(request: Any, count: int) -> None:
+    """Remove the last ``count`` prompt tokens of a request vLLM has not scheduled yet: from its
+    prompt and from the token list vLLM counts and hashes (the private ``_all_token_ids``)."""
+    if count <= 0:
+        return
+    del request.prompt_token_ids[-count:]
+    del request._all_token_ids[-count:]
+    request.num_prompt_tokens = len(request.prompt_token_ids)
+
+
+def registered_connectors() -> Iterable[str]:
+    """The connector names vLLM's factory knows (its private ``_registry``)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return tuple(KVConnectorFactory._registry)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import pytest
@@ -100,11 +99,12 @@ def make_request(
 
 
 def new_request_data(request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
-    """vLLM's ``NewRequestData.from_request`` for a scheduled request (0.34 also takes the
-    tokens to prefill: ``request.prefill_token_ids``)."""
-    if "prefill_token_ids" in inspect.signature(NewRequestData.from_request).parameters:
-        return NewRequestData.from_request(request, block_ids, request.prefill_token_ids)
-    return NewRequestData.from_request(request, block_ids)
+    """vLLM's ``NewRequestData.from_request`` for a scheduled request (0.34 requires the
+    tokens to prefill, ``request.prefill_token_ids``; 0.32 and 0.33 take them optionally)."""
+    prefill = getattr(request, "prefill_token_ids", None)
+    if prefill is None:
+        return NewRequestData.from_request(request, block_ids)
+    return NewRequestData.from_request(request, block_ids, prefill)
 
 
 def blocks_of(ids_per_group: list[list[int]], hashed: int = 0) -> KVCacheBlocks:

@@ -173,3 +173,66 @@ def test_p_withdraws_what_it_will_not_publish() -> None:
     ]
     assert "held for decode" in plan.withdrawals[0].reason and not plan.publishes
     assert ROUTER["token"] not in repr(plan)
+
+
+def step_resumed(req, block_ids, scheduled: int) -> SchedulerOutput:
+    """A preempted request scheduled again, as the installed vLLM says it: 0.34 among the new
+    requests with its whole block table; 0.32 and 0.33 among the cached ones, named in
+    ``resumed_req_ids``, their new blocks in place of the old."""
+    if "resumed_req_ids" not in CachedRequestData.__dataclass_fields__:
+        return step_new(req, block_ids, scheduled)
+    out = step_cached(req, block_ids, req.num_computed_tokens, scheduled)
+    out.scheduled_cached_reqs.resumed_req_ids = {req.request_id}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_preempted_prefill_streams_again_from_block_0_in_its_new_blocks(mode) -> None:
+    """Preempted mid-prefill (its blocks freed, its computed tokens reset), then scheduled again
+    in other blocks: every chunk streams again from position 0 with the new ids (the stream
+    then sees P's ids change and fails the transfer, fenced), in both layer-wise modes."""
+    sched = state()
+    router = dict(ROUTER, mode=mode)
+    req = make_request("r1", 100, {"do_remote_decode": True, LAYERWISE_KEY: router})
+    sched.on_new_request(req)  # 99 tokens to prefill: 4 blocks of 32
+    (step,) = sched.build_step(step_new(req, ([3, 4], [0]), 40)).layerwise
+    assert (step.block_ids, step.first) == ({0: [3]}, {0: 0})
+    req.num_computed_tokens = 0  # preempted: vLLM frees its blocks and starts it over
+    (step,) = sched.build_step(step_resumed(req, ([11, 12], [0]), 40)).layerwise
+    assert (step.block_ids, step.first, step.total) == ({0: [11]}, {0: 0}, {0: 4})
+    (step,) = sched.build_step(step_cached(req, ([13, 14], [15]), 40, 59)).layerwise
+    assert (step.block_ids, step.first) == ({0: [12, 13, 14]}, {0: 1})
+
+
+def test_a_preempted_prefill_publishes_its_final_blocks_once_in_pull_and_push() -> None:
+    """The classic dispatch (pull or push): nothing streams, and a request preempted and
+    resumed publishes the blocks it holds when it finishes, its prompt cut only once."""
+    for mode in ("pull", "push"):
+        sched = state()
+        req = make_request("r1", 100, {"do_remote_decode": True, "kvbridge_mode": mode})
+        sched.on_new_request(req)
+        assert sched.build_step(step_new(req, ([3, 4], [0]), 40)).layerwise == []
+        req.num_computed_tokens = 0
+        assert sched.build_step(step_resumed(req, ([11, 12], [0]), 40)).layerwise == []
+        sched.on_new_request(req)  # vLLM never asks again; were it to, nothing more is cut
+        assert req.num_prompt_tokens == 99
+        req.num_computed_tokens = 99
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = sched.request_finished(req, ([11, 12, 13, 14], [0, 15]))
+        transfer = TransferParams.from_dict(params[PARAMS_KEY])
+        assert transfer.block_ids == {0: [11, 12, 13, 14], 1: [15]}
+        assert transfer.mode is Mode(mode) and transfer.num_tokens == 99
+
+
+def test_a_resumed_decode_request_never_loads_again() -> None:
+    """D: a request preempted after its load comes back (0.34: as a new request) and computes
+    on from its blocks; the connector neither loads it again nor tells vLLM it may."""
+    d = state()
+    req = make_request("d1", 100, d_params(layerwise=False))
+    req.kv_transfer_params[PARAMS_KEY]["num_tokens"] = 99
+    assert d.may_load_async(req)
+    assert d.get_num_new_matched_tokens(req, 0) == (99, True)
+    d.update_state_after_alloc(req, ([1, 2, 3, 4], [5]), 99)
+    assert len(d.build_step().loads) == 1
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not d.may_load_async(req)

@@ -214,3 +214,24 @@ def test_the_request_bound_counts_requests_not_blocks() -> None:
     assert finish(sched, "a", ([3], [0, 7]))[0]
     delay, params = finish(sched, "b", ([4], [0, 8]))
     assert not delay and "holds 1 requests for decode" in params["kvbridge_declined"]
+
+
+def test_only_requests_that_may_load_count_as_async_loads() -> None:
+    """vLLM 0.34's ``may_load_async`` (read with ``--max-num-inflight-kv-loads``): a request
+    with kvbridge's parameters or vllm-router's bootstrap address may load; one whose
+    parameters are not ours (prefilled here), or already loaded, must not take a load's slot,
+    where vLLM's default (the bare ``do_remote_prefill`` flag) would count it."""
+    p, d = state(), state()
+    ours = make_request("d1", 130, prefill(p, 130, ([3, 4, 5], [0, 7])))
+    foreign = make_request("d2", 130, {"do_remote_prefill": True, "remote_host": "x"})
+    router = make_request("d3", 130, {"do_remote_prefill": True, "remote_bootstrap_addr": "h:1"})
+    local = make_request("d4", 130, None)
+    assert [d.may_load_async(r) for r in (ours, foreign, router, local)] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    d.get_num_new_matched_tokens(foreign, 0)  # D prefills it: marked processed
+    d.update_state_after_alloc(ours, [[10, 11, 12], [8]], 129)
+    assert not d.may_load_async(ours) and not d.may_load_async(foreign)
