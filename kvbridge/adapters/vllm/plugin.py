@@ -125,6 +125,13 @@ def register() -> None:
         from kvbridge.adapters.vllm.versions import registered_connectors
     except ImportError:  # vLLM absent or too old: nothing to register with
         return
+    import vllm
+
+    from kvbridge.adapters.vllm.versions import untested_release
+
+    untested = untested_release(str(getattr(vllm, "__version__", "")))
+    if untested is not None:
+        log.warning(untested)
     known = set(registered_connectors())
     for name, transport in connector_names().items():
         if name in known:

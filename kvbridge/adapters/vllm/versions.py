@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+#: The vLLM releases (major, minor) kvbridge is tested with, oldest and newest.
+TESTED = ((0, 32), (0, 34))
+
 
 def kv_cache_planning() -> Any:
     """The module holding ``get_kv_cache_groups`` and ``get_kv_cache_config_from_groups``."""
@@ -56,3 +59,21 @@ def registered_connectors() -> Iterable[str]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     return tuple(KVConnectorFactory._registry)
+
+
+def untested_release(version: str) -> str | None:
+    """A one-line warning when ``version`` (vLLM's ``__version__``) is outside the releases
+    kvbridge is tested with, else ``None``. A warning, not a refusal: a new release usually
+    works, and ``make test-vllm-latest`` says whether it does."""
+    try:
+        release = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None  # a development build: nothing to compare
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED
+    if TESTED[0] <= release <= TESTED[1]:
+        return None
+    return (
+        f"kvbridge is tested with vLLM {lo_major}.{lo_minor} to {hi_major}.{hi_minor}, not "
+        f"{version}: its connector may work, but nothing proved it (make test-vllm-latest "
+        "runs the adapter's tests on the newest release)"
+    )
