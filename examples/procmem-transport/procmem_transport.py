@@ -24,6 +24,7 @@ from kvbridge.core.transport import (
     CHUNK_OK,
     Chunk,
     ChunkResult,
+    MemoryAccess,
     TransferOp,
     Transport,
     TransportLimits,
@@ -64,6 +65,9 @@ class ProcMemTransport(Transport):
     name = "procmem"
     install_hint = "pip install kvbridge-procmem (Linux only)"
     blocking_engine = True  # the copies block: the base runs them on a lane thread per peer
+    # pread/pwrite on /proc/<pid>/mem reach the peer's pages by virtual address in the kernel:
+    # nothing is registered, pinned beyond the call or exported (and it moves host memory only)
+    memory_access = MemoryAccess.BY_ADDRESS
 
     def __init__(self, *, timeout: float = 30.0, retries: int = 0) -> None:
         super().__init__(timeout=timeout, retries=retries)

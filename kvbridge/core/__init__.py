@@ -17,7 +17,7 @@ from kvbridge.core.boundary import (
     remote_prefill_token_count,
 )
 from kvbridge.core.compat import check_compatible, layout_differences
-from kvbridge.core.contract import TransportContract
+from kvbridge.core.contract import MemoryAccess, TransportContract
 from kvbridge.core.errors import (
     BlockIdError,
     KvbridgeError,
@@ -62,6 +62,7 @@ __all__ = [
     "LayoutMismatchError",
     "LayoutSpec",
     "Fence",
+    "MemoryAccess",
     "MemoryKind",
     "MemoryRange",
     "Part",

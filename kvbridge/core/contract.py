@@ -18,6 +18,18 @@ signatures and duties are in ``kvbridge.core.engine_hooks``):
 The plugin's ``__init__`` calls ``super().__init__(timeout=..., retries=...)``, starts its
 engine, then ``self._open(TransportLimits(...))``.
 
+Memory access
+-------------
+Every plugin declares, as the class attribute ``memory_access`` (a ``MemoryAccess``), how its
+engine reaches the memory registered with it: only by virtual address, or by registering
+(pinning) it for DMA/RDMA, or by letting another process of the host map it. An engine that
+registers or exports a range needs it backed by one physical allocation; a serving framework
+that maps its memory through the driver (vLLM's extensible KV cache) reads the declaration to
+allocate accordingly. The default, ``REGISTERS``, is the safe answer for a plugin that says
+nothing. Where such driver-mapped memory is used, the classmethod
+``prepare_for_driver_mapped_memory`` runs once per process before the first instance is built, so
+the engine can pick a registration path that works for it (it does nothing by default).
+
 Options
 -------
 A transport's options are the keyword parameters of its ``__init__`` (with a ``**options`` that
@@ -55,6 +67,7 @@ from kvbridge.core.errors import TransportOptionError, did_you_mean
 from kvbridge.core.memory import MemoryKind, MemoryRange
 
 __all__ = [
+    "MemoryAccess",
     "TransportContract",
     "TransportLimits",
     "TransportOptions",
@@ -77,6 +90,28 @@ class TransportLimits:
     memory_kinds: frozenset[MemoryKind] = field(
         default_factory=lambda: frozenset({MemoryKind.DRAM})
     )
+
+
+class MemoryAccess(enum.Flag):
+    """How a transport's engine reaches the memory registered with it (``memory_access``).
+
+    What matters is whether the engine needs each registered range to be backed by one physical
+    allocation: memory a serving framework maps through the driver (CUDA virtual memory, as vLLM
+    0.34's extensible KV cache does) may span several, unless the framework is told otherwise.
+    Flags combine: ``REGISTERS | EXPORTS_WITHIN_HOST``.
+    """
+
+    #: Reached only by virtual address, through the engine's own calls or the kernel's (a
+    #: ``process_vm_readv`` on a peer's behalf): nothing registers, pins or exports the range, so
+    #: it may span several physical allocations.
+    BY_ADDRESS = 0
+    #: The engine registers the range for DMA or RDMA (pins it, or imports it through DMA-BUF),
+    #: which needs it backed by one physical allocation.
+    REGISTERS = enum.auto()
+    #: Another process of the host maps the range (UCX ``cuda_ipc`` between GPUs of one host),
+    #: which needs one physical allocation the driver can export; for driver-mapped GPU memory,
+    #: an export handle (CUDA FABRIC handles need an IMEX channel).
+    EXPORTS_WITHIN_HOST = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -221,6 +256,12 @@ class TransportContract(abc.ABC, metaclass=_CheckedOptions):
     """
 
     name: ClassVar[str]
+    #: How the engine reaches registered memory (see ``MemoryAccess``); every plugin declares
+    #: it. The default for a plugin that does not, ``REGISTERS``, is the safe answer: it costs a
+    #: framework that maps memory through the driver no more than padding each registered
+    #: segment to its allocation granule, where ``BY_ADDRESS`` wrongly declared would let an
+    #: engine that pins memory register a range spanning several allocations.
+    memory_access: ClassVar[MemoryAccess] = MemoryAccess.REGISTERS
     timeout: float
     retries: int
 
@@ -228,6 +269,18 @@ class TransportContract(abc.ABC, metaclass=_CheckedOptions):
     @abc.abstractmethod
     def check_available(cls) -> None:
         """Raise ``TransportUnavailableError`` when the engine library cannot be loaded."""
+
+    @classmethod
+    def prepare_for_driver_mapped_memory(cls) -> None:
+        """Get the engine ready to register memory the driver maps (CUDA virtual memory).
+
+        Called once per process, before the first instance is built, when the device memory
+        the transport will register is mapped through the driver (vLLM 0.34's extensible KV
+        cache), so the engine can pick a registration path that works for such memory (Mooncake:
+        DMA-BUF instead of nvidia-peermem). Calling it again does no harm. Does nothing by
+        default; raises ``TransportError``, one line saying what is wrong and what to do, when
+        the engine cannot register such memory as configured.
+        """
 
     @property
     @abc.abstractmethod

@@ -34,7 +34,7 @@ from kvbridge.core.batches import (
     TransferStatus,
     split_batch,
 )
-from kvbridge.core.contract import TransportContract, TransportLimits
+from kvbridge.core.contract import MemoryAccess, TransportContract, TransportLimits
 from kvbridge.core.descriptors import (
     Batch,
     as_addr_array,
@@ -64,6 +64,7 @@ __all__ = [
     "ChunkResult",
     "DeviceKey",
     "Fence",
+    "MemoryAccess",
     "MemoryKind",
     "MemoryRange",
     "TransferHandle",

@@ -159,6 +159,34 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34 asks while it builds its config how the workers reach the device KV cache
+        (``KVCacheAccess`` flags), to back each segment of its extensible KV cache with one
+        physical allocation where the transport registers or exports it: the configured
+        transport's ``memory_access``, translated (``memory_access.py``). Its class is loaded,
+        never built (no engine starts).
+
+        Where the options are bad or the transport cannot be loaded (unknown name, engine
+        missing) this answers ``REGISTERS``, the safe answer, rather than raise inside vLLM's
+        config validation (which would wrap the line in pydantic's report): the connector
+        refuses such a configuration itself with its one-line error (bad options when it is
+        built, a transport it cannot load when the worker registers the caches).
+        """
+        from kvbridge.adapters.vllm.memory_access import kv_cache_access
+        from kvbridge.core.contract import MemoryAccess
+        from kvbridge.core.errors import TransportError
+        from kvbridge.core.registry import load_transport_class
+
+        try:
+            extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+            options = Options.from_extra(extra, cls.default_transport)
+            access = load_transport_class(options.transport).memory_access
+        except (ValueError, TransportError) as err:
+            log.debug("kvbridge: answering vLLM's kv_cache_access with REGISTERS: %s", err)
+            access = MemoryAccess.REGISTERS
+        return kv_cache_access(access)
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         ktc = vllm_config.kv_transfer_config
         extra = ktc.kv_connector_extra_config if ktc is not None else None

@@ -82,6 +82,11 @@ class ConnectorWorker:
             total_num_kv_heads=total_heads,
         )
         transport_cls = load_transport_class(self.options.transport)
+        vllm_cache = getattr(self.vllm_config, "cache_config", None)
+        if getattr(vllm_cache, "enable_extensible_kv_cache", False):
+            # vLLM 0.34's extensible KV cache: the driver maps these caches (CUDA virtual
+            # memory); the engine picks a registration path that takes them before it starts.
+            transport_cls.prepare_for_driver_mapped_memory()
         options = self.options.transport_timed()
         if transport_cls.host_option is not None:
             # The transport announces the address peers reach it at: the side channel's host

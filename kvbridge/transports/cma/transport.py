@@ -44,6 +44,7 @@ from kvbridge.core.transport import (
     AddrArray,
     Chunk,
     ChunkResult,
+    MemoryAccess,
     MemoryKind,
     MemoryRange,
     TransferOp,
@@ -182,6 +183,9 @@ class CmaTransport(Transport):
     name: ClassVar[str] = "cma"
     install_hint: ClassVar[str] = "nothing (it needs Linux)"
     blocking_engine: ClassVar[bool] = True
+    # process_vm_readv/writev copy the peer's host pages by virtual address inside the kernel;
+    # nothing is pinned beyond the call, registered or exported, and it moves DRAM only.
+    memory_access: ClassVar[MemoryAccess] = MemoryAccess.BY_ADDRESS
 
     def __init__(
         self, *, timeout: float = 30.0, retries: int = 0, allow_peers: bool = True

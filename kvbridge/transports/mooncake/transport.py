@@ -45,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import os
 import threading
 from typing import Annotated, Any, ClassVar
 
@@ -56,6 +57,7 @@ from kvbridge.core.transport import (
     CHUNK_OK,
     Chunk,
     ChunkResult,
+    MemoryAccess,
     MemoryKind,
     MemoryRange,
     TransferOp,
@@ -93,6 +95,9 @@ _GLOBAL_CONFIG = "_ZN8mooncake12globalConfigEv"
 _LOAD_GLOBAL_CONFIG = "_ZN8mooncake16loadGlobalConfigERNS_12GlobalConfigE"
 _CONFIG_LOCK = threading.Lock()
 _ENGINE_ERRORS = {-7: "the range overlaps one already registered (Mooncake forbids overlaps)"}
+#: Read by the engine at ``initialize``: "1" registers GPU memory through nvidia-peermem, "0"
+#: through DMA-BUF (the only way for memory the driver maps, which nvidia-peermem cannot pin)
+PEERMEM_ENV = "WITH_NVIDIA_PEERMEM"
 
 
 class MooncakeMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -178,6 +183,23 @@ class MooncakeTransport(Transport):
     metadata_version: ClassVar[int] = 2
     blocking_engine: ClassVar[bool] = True
     host_option: ClassVar[str | None] = "hostname"
+    # The engine registers every range with its transports (ibverbs memory regions for RDMA,
+    # GPU memory through nvidia-peermem or DMA-BUF): each must be one physical allocation.
+    memory_access: ClassVar[MemoryAccess] = MemoryAccess.REGISTERS
+
+    @classmethod
+    def prepare_for_driver_mapped_memory(cls) -> None:
+        """Have the engine register GPU memory through DMA-BUF (``WITH_NVIDIA_PEERMEM=0``):
+        nvidia-peermem cannot pin memory the driver maps. Set unless the environment already
+        says so; ``TransportError`` when it asks for nvidia-peermem (``1``)."""
+        value = os.environ.setdefault(PEERMEM_ENV, "0")  # read at the engine's ``initialize``
+        if value != "0":
+            raise TransportError(
+                f"{PEERMEM_ENV}={value!r} makes Mooncake register GPU memory through "
+                "nvidia-peermem, which cannot pin driver-mapped (CUDA virtual) memory such as "
+                f"vLLM's extensible KV cache; unset {PEERMEM_ENV} (Mooncake then registers "
+                "through DMA-BUF) or turn that memory off (vLLM: --no-enable-extensible-kv-cache)"
+            )
 
     def __init__(
         self,

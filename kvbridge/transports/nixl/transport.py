@@ -63,6 +63,7 @@ from kvbridge.core.transport import (
     AddrArray,
     Chunk,
     ChunkResult,
+    MemoryAccess,
     MemoryKind,
     MemoryRange,
     TransferOp,
@@ -340,6 +341,11 @@ class NixlTransport(Transport):
     install_hint: ClassVar[str] = _INSTALL_HINT
     metadata_version: ClassVar[int] = 2
     host_option: ClassVar[str | None] = "host"
+    # UCX registers every range (RDMA memory regions, GPU memory through DMA-BUF or peermem),
+    # and between processes of one host maps a peer's GPU memory through cuda_ipc.
+    memory_access: ClassVar[MemoryAccess] = (
+        MemoryAccess.REGISTERS | MemoryAccess.EXPORTS_WITHIN_HOST
+    )
 
     def __init__(
         self,
