@@ -113,8 +113,12 @@ class BootstrapLookups:
         """P's address (``prefill_address``'s form) behind ``addr``, or None while the lookup
         runs. Raises ``BootstrapError`` when the last lookup failed (tried again after
         ``retry`` seconds) or ``addr`` is no ``http://host:port``."""
-        parts = urlsplit(addr)
-        if parts.scheme != "http" or not parts.hostname or parts.port is None:
+        try:
+            parts = urlsplit(addr)
+            port = parts.port  # raises for a port out of range or not a number
+        except ValueError:
+            port = None
+        if port is None or parts.scheme != "http" or not parts.hostname:
             raise BootstrapError(f"remote_bootstrap_addr {addr!r} is not http://host:port")
         with self._lock:
             found = self._found.get(addr)
@@ -133,6 +137,8 @@ class BootstrapLookups:
             found, failure = self._fetch(addr, engine_id), ""
         except BootstrapError as err:
             found, failure = None, str(err)
+        except Exception as err:  # whatever the answer held: the lookup ends, never hangs
+            found, failure = None, f"bootstrap {addr}: {type(err).__name__}: {err}"
         with self._lock:
             self._running.discard(addr)
             if found is not None:

@@ -26,6 +26,7 @@ from kvbridge.control.refusals import RefusalLog
 from kvbridge.control.requests import Mode, RankAddress, TransferParams, address_of
 from kvbridge.core.block_mapping import GroupBlockIds, held_block_ids, tail_block_ids
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
+from kvbridge.core.errors import MessageError
 from kvbridge.core.groups import GroupKind
 
 #: The key of our ``TransferParams`` inside vLLM's ``kv_transfer_params``.
@@ -192,6 +193,8 @@ def layerwise_mode(params: Mapping[str, Any]) -> Mode:
 
 
 def _remote_params(params: Mapping[str, Any]) -> TransferParams | None:
+    """kvbridge's parameters on D's request, checked (``MessageError`` when malformed), or
+    ``None`` when there are none."""
     raw = params.get(PARAMS_KEY)
     return TransferParams.from_dict(raw) if isinstance(raw, Mapping) else None
 
@@ -275,11 +278,17 @@ class SchedulerState:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or params.get(PROCESSED_KEY):
             return 0, False
-        remote = _remote_params(params)
-        if remote is None and params.get(BOOTSTRAP_KEY) is not None:
-            if not self._from_bootstrap(request, params):
-                return (None, False) if not params.get(PROCESSED_KEY) else (0, False)
+        try:
             remote = _remote_params(params)
+            if remote is None and params.get(BOOTSTRAP_KEY) is not None:
+                if not self._from_bootstrap(request, params):
+                    return (None, False) if not params.get(PROCESSED_KEY) else (0, False)
+                remote = _remote_params(params)
+        except MessageError as err:
+            # A client sent them (D's API takes any kv_transfer_params): one request fails,
+            # never the engine.
+            self._prefill_locally(request, params, f"malformed {PARAMS_KEY} parameters: {err}", "")
+            return 0, False
         if remote is None:
             self._foreign_params(request, params)
             return 0, False
@@ -317,8 +326,13 @@ class SchedulerState:
             return False
         if address is None:
             return False
-        mode = Mode(address.get("mode") or Mode.PULL.value)
-        params[PARAMS_KEY] = TransferParams.layerwise_of(address, tid, tid, mode).to_dict()
+        try:
+            mode = Mode(address.get("mode") or Mode.PULL.value)
+            params[PARAMS_KEY] = TransferParams.layerwise_of(address, tid, tid, mode).to_dict()
+        except (ValueError, MessageError) as err:  # what P's bootstrap answered does not fit
+            why = f"vllm-router's mooncake mode: P's bootstrap answer does not fit: {err}"
+            self._prefill_locally(request, params, why, "")
+            return False
         return True
 
     def prefill_address(self) -> dict[str, Any]:

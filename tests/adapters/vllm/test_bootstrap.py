@@ -111,6 +111,16 @@ def test_a_failed_lookup_fails_in_one_line_then_is_tried_again() -> None:
     assert lookups.get(addr) is None  # tried again after the retry interval
 
 
+@pytest.mark.parametrize(
+    "addr", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "http://[::1", "ftp://h:1", "h:1"]
+)
+def test_a_bootstrap_address_that_is_no_http_host_port_is_refused_in_one_line(addr) -> None:
+    """A client's ``remote_bootstrap_addr`` (a port out of range raised ``ValueError`` out of
+    the scheduler: D's engine died)."""
+    with pytest.raises(BootstrapError, match="is not http://host:port"):
+        BootstrapLookups().get(addr)
+
+
 def test_another_engines_bootstrap_is_not_taken(served) -> None:
     lookups = BootstrapLookups(retry=60)
     lookups.get(served.address, "another-engine")
