@@ -4,7 +4,8 @@ vLLM 0.32 allocates one int8 backing buffer for every cache group and hands the 
 view per layer, shaped ``[B*ratio, H, N, C]`` (kernel blocks, head slots, tokens per kernel
 block, content). Attention views are cast to the cache dtype, so ``C`` is ``head_size +
 head_size_v`` elements; Mamba/GDN views stay int8 ``[B, 1, 1, page]`` with the layer's states
-(conv, ssm, ...) packed one after the other in each page. Groups overlay the same buffer: a block
+(conv, ssm, ...) one after the other in each page, each starting at a multiple of the spec's
+``state_alignment`` (vLLM 0.34; 1 before). Groups overlay the same buffer: a block
 id is owned by one group at a time. Everything below is read from the tensors' ``data_ptr()``,
 ``stride()`` and ``shape``, never assumed from a layout name.
 
@@ -452,8 +453,14 @@ def _state_tensors(
     tp_size: int = 1,
     conv_layout: str | None = None,
 ) -> list[CacheTensor]:
-    """One cache tensor per state (conv, ssm, ...) packed in each page of a Mamba/GDN layer,
-    with its shards where the kind has them (``_state_shards``)."""
+    """One cache tensor per state (conv, ssm, ...) in each page of a Mamba/GDN layer, with its
+    shards where the kind has them (``_state_shards``).
+
+    Each state lies where vLLM's ``MambaBase.bind_kv_cache`` binds it: the states follow one
+    another, each starting at the previous one's end rounded up to ``state_alignment`` (vLLM
+    0.34; 0.32 and 0.33 have no such field and pack them at alignment 1). A tensor covers its
+    state's own bytes, not the padding after it, so sides of different alignments pair state by
+    state."""
     pages = view.reshape(view.shape[0], -1) if view.dim() != 2 else view
     if view.dim() == 4 and view.shape[1:3] != (1, 1):
         raise LayoutError(
@@ -466,16 +473,23 @@ def _state_tensors(
         math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
     ]
-    if sum(sizes) > pages.shape[1] * pages.element_size():
+    alignment = int(getattr(spec, "state_alignment", 1))
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // alignment) * alignment)
+    content = offsets.pop()  # vLLM's state_content_size_bytes: the last state padded too
+    if content > pages.shape[1] * pages.element_size():
         raise LayoutError(
-            f"Mamba layer {layer!r}: states of {sum(sizes)} bytes exceed its page of "
-            f"{pages.shape[1]} bytes"
+            f"Mamba layer {layer!r}: states of {content} bytes (each padded to {alignment}) "
+            f"exceed its page of {pages.shape[1]} bytes"
         )
     alloc_addr, alloc_size = _allocation(view)
     shards: list[list[Shard] | msgspec.UnsetType] = [msgspec.UNSET] * len(sizes)
     shards = list(_state_shards(spec, sizes, tp_rank, tp_size, conv_layout) or shards)
-    tensors, offset = [], 0
-    for name, size, state_shards in zip(state_tensor_names(len(sizes)), sizes, shards, strict=True):
+    tensors = []
+    for name, size, offset, state_shards in zip(
+        state_tensor_names(len(sizes)), sizes, offsets, shards, strict=True
+    ):
         tensors.append(
             CacheTensor(
                 layer,
@@ -489,7 +503,6 @@ def _state_tensors(
                 shards=state_shards,
             )
         )
-        offset += size
     return tensors
 
 
