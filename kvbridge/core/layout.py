@@ -53,12 +53,12 @@ class Shard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kernel ratio. ``unit_stride`` 0 means ``unit_bytes`` (units packed).
 
     ``replicas`` ranks hold the same units (KV heads fewer than TP ranks, MLA's latent on every
-    rank); ``replica`` is which of them this rank is. A destination replica ``j`` reads from the
-    source replica ``j % source replicas`` (``kvbridge.core.tp``), so every unit is read once
-    and replicated readers spread over the sources. ``token_major``: each unit's bytes in a
-    kernel block list its tokens in order, each token's bytes one run of the same size (a
-    head of a head-major ``[H, N, C]`` block with ``[K|V]`` cells): slices of such units may
-    move between different kernel block sizes, unit by unit.
+    rank); ``replica`` is which of them this rank is. A destination replica ``j`` of ``d``
+    reads from the source replica ``j * source replicas // d`` (``kvbridge.core.tp``), so every
+    unit is read once and replicated readers spread over the sources. ``token_major``: each
+    unit's bytes in a kernel block list its tokens in order, each token's bytes one run of the
+    same size (a head of a head-major ``[H, N, C]`` block with ``[K|V]`` cells): slices of such
+    units may move between different kernel block sizes, unit by unit.
     """
 
     axis: str
