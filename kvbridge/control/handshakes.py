@@ -132,13 +132,14 @@ class Handshakes:
         except KvbridgeError as err:
             raise MessageError("layout", f"invalid layout from {body.engine_id}: {err}") from None
         try:
-            check_compatible(ctx.layout, remote, ("this engine", "peer"))
+            # Named by role, not "this engine": the answer is read in the asking D's log.
+            check_compatible(ctx.layout, remote, ("prefill", "decode"))
         except LayoutMismatchError as err:
             raise MessageError("layout_mismatch", str(err)) from None
         if body.transport != ctx.transport.name:
             raise MessageError(
                 "transport_mismatch",
-                f"peer uses transport {body.transport!r}, this engine {ctx.transport.name!r}",
+                f"decode uses transport {body.transport!r}, prefill {ctx.transport.name!r}",
             )
         # Only a push needs this side's transport to reach the peer: it connects when the
         # first push from this peer is asked for (``connect_soon``), not here (module

@@ -270,3 +270,6 @@ def test_incompatible_layouts_fail_the_handshake_with_the_field(engines, transpo
     assert not outcome["ok"]
     assert "layouts are incompatible" in outcome["reason"]
     assert "only on" in outcome["reason"]  # names the layers that differ
+    # by role: "this engine" in D's log meant P
+    assert "only on prefill" in outcome["reason"] or "only on decode" in outcome["reason"]
+    assert "this engine" not in outcome["reason"]
