@@ -250,11 +250,16 @@ class _Checker:
                     f"({kvbridge_version()})",
                 ) from None
             raise _fail("secret", str(err), "see the peer engine's log") from None
-        except PeerRefusedError as err:
+        except PeerRefusedError:
+            # The TCP connection of ``reachable`` succeeded: what listens drops the side
+            # channel's greeting (an HTTP server does), or the engine stopped since.
             raise _fail(
                 "secret",
-                f"{err}; yet a TCP connection to it succeeded a moment ago",
-                "check the engine is still up (or that no proxy answers for it on this port)",
+                f"{self.host}:{self.port} accepts TCP connections but closed the kvbridge side "
+                "channel's: another service listens there (an HTTP port, such as vLLM's API "
+                "server, or a proxy), or the engine stopped a moment ago",
+                f"point the check at the {self.peer_role} engine's side channel (KVBRIDGE_PORT "
+                "+ TP rank), not its HTTP port, and check that the engine is up",
             ) from None
         except PeerTimeoutError as err:
             raise _fail(

@@ -259,6 +259,37 @@ def test_nothing_listening_fails_reachable(capsys):
     assert doc["fix"].startswith("start the prefill engine")
 
 
+def test_an_http_port_is_named_as_another_service_not_as_nothing_listening(capsys):
+    """``kvbridge check`` pointed at an HTTP server (vLLM's API port): the TCP connection
+    succeeds, and the server answers the side channel's greeting with 400 and closes, as
+    uvicorn does; the line says so, not "nothing listens"."""
+    import socketserver
+    import threading
+
+    class BadRequest(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.settimeout(5)
+            self.request.recv(64)  # the side channel's greeting: no HTTP request line
+            self.request.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), BadRequest)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        code, doc = check(capsys, f"tcp://127.0.0.1:{port}", "--timeout", "5")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 1 and not doc["ok"]
+    failed = doc["checks"][-1]
+    assert doc["checks"][0]["ok"] and failed["name"] == "secret", doc
+    assert "another service listens there" in failed["detail"], failed
+    assert "nothing listens" not in failed["detail"]
+    assert "not its HTTP port" in doc["fix"]
+
+
 def test_an_incompatible_local_layout_fails_the_layouts_line(engines, secret_file, capsys):
     transport = TRANSPORTS[0]
     peer = engines("prefill", transport)
