@@ -33,6 +33,7 @@ from kvbridge.core.errors import (
     LayoutError,
     LayoutMismatchError,
     MessageError,
+    PeerRefusedError,
 )
 from kvbridge.core.layout import Layout
 
@@ -261,6 +262,12 @@ class Handshakes:
             except ControlError:
                 raise  # refused (auth, layout): retrying cannot help
             except Exception as err:
+                # Nothing listening where the request's P answered from means P died (a
+                # restarted P holds none of the request's blocks): the request fails now, not
+                # at the deadline. An engine not known yet (``prefetch``: a P still starting)
+                # is tried again.
+                if isinstance(err, PeerRefusedError) and params.engine_id:
+                    raise
                 if time.monotonic() + delay >= deadline:
                     raise
                 # Each retry says why and how long it waits: a slow first request shows here.

@@ -106,6 +106,11 @@ def main() -> None:
     global _replies
     _replies = take_stdout()
     config = json.loads(sys.argv[1])
+    if "log_level" in config:  # kvbridge's own lines into the engine's log file (stderr)
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("kvbridge").setLevel(config["log_level"])
     arena, layout = build_cache(config, config["seed"])
     original = [b.copy() for b in arena.buffers]
     import kvbridge

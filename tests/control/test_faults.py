@@ -67,7 +67,9 @@ def test_decode_killed_mid_transfer_prefill_frees_at_lease_expiry(engines, trans
 def test_prefill_killed_decode_fails_within_timeout(engines, transport, known):
     timeout = 3.0
     p = engines("prefill", transport, seed=51)
-    d = engines("decode", transport, seed=52, timeout=timeout, handshake_timeout=timeout)
+    d = engines(
+        "decode", transport, seed=52, timeout=timeout, handshake_timeout=timeout, log_level="INFO"
+    )
     d_alloc = BlockAllocator(d.layout, 3)
     if known:  # D has handshaken with P and loaded one request before P dies
         first = publish(p, "warm", seed=4)
@@ -85,6 +87,9 @@ def test_prefill_killed_decode_fails_within_timeout(engines, transport, known):
     # A killed engine's port refuses connections: D fails on the refusal, not on a timeout.
     assert "pull of 'orphan'" in outcome["reason"] and "refused" in outcome["reason"]
     assert elapsed < 2 * timeout + 2
+    # At first contact too: one attempt, no retry until the handshake deadline (P, which
+    # answered the request, is gone; a restarted one would hold none of its blocks).
+    assert d.log_path is not None and "retrying in" not in d.log_path.read_text()
 
 
 def test_decode_aborts_before_transfer_prefill_frees_at_once(engines, transport):
