@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from kvbridge.core.layout import Layout
 from kvbridge.core.memory import MemoryRange
 from kvbridge.core.transport import TransferOp
 from tests.control.engine import EngineProcess
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "preflight-secret"
@@ -86,12 +86,6 @@ def check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str
 
 def by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in doc["checks"]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

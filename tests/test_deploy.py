@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import pytest
 
 from kvbridge.deploy import SCRIPTS, copy_scripts, scripts_dir
 from kvbridge.deploy.readiness import wait_healthy
+from tests.ports import free_port
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -73,6 +75,8 @@ def test_one_host_wait_fails_in_one_line_and_stops_what_it_started(tmp_path: Pat
         PREFILL_PORT="1",
         DECODE_PORT="2",
         PROXY_PORT="3",
+        PREFILL_SIDE_PORT=str(free_port()),
+        DECODE_SIDE_PORT=str(free_port()),
     )
     done = subprocess.run(
         ["bash", str(scripts_dir() / "one-host.sh"), "--wait"],
@@ -97,3 +101,38 @@ def test_the_cli_copies_the_scripts_and_refuses_to_overwrite(tmp_path: Path) -> 
     again = subprocess.run(kvbridge, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2
     assert again.stderr.count("\n") == 1 and "give an empty or new folder" in again.stderr
+
+
+def test_one_host_names_a_taken_port_before_starting_anything(tmp_path: Path) -> None:
+    """A taken router port was found after 402 s, as "Address already in use" without the
+    port: now one line names it and the variable that sets it, and nothing starts."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "KVBRIDGE_SECRET_FILE")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        env.update(
+            LOG_DIR=str(tmp_path),
+            PYTHON=sys.executable,
+            PROXY_PORT=str(port),
+            PREFILL_PORT=str(free_port()),
+            DECODE_PORT=str(free_port()),
+            PREFILL_SIDE_PORT=str(free_port()),
+            DECODE_SIDE_PORT=str(free_port()),
+        )
+        for args in ([], ["--wait"]):
+            done = subprocess.run(
+                ["bash", str(scripts_dir() / "one-host.sh"), *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 1, done.stderr
+            line = [ln for ln in done.stderr.splitlines() if ln.startswith("one-host.sh:")]
+            assert line == [
+                f"one-host.sh: PROXY_PORT: port {port} on 127.0.0.1 is taken (another process "
+                f"listens there); free it or set PROXY_PORT to another port; nothing started"
+            ], done.stderr
+            assert not (tmp_path / "prefill.log").exists()
+            assert not (tmp_path / "one-host.pid").exists()

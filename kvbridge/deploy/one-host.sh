@@ -47,6 +47,17 @@ if [ -z "${KVBRIDGE_SECRET_FILE:-}${KVBRIDGE_SECRET:-}" ] && [ -z "${ONE_HOST_DE
        "authentication (docs: getting started, secrets)" >&2
 fi
 
+# every port it will listen on, free before anything starts (TP rank r's side channel, + r, is
+# not checked: the TP size is in vLLM's arguments)
+if [ -z "${ONE_HOST_DETACHED:-}" ] && ! taken=$("$PYTHON" -m kvbridge.deploy.readiness --free \
+    "PREFILL_PORT=$HTTP_HOST:${PREFILL_PORT:-8100}" "DECODE_PORT=$HTTP_HOST:${DECODE_PORT:-8200}" \
+    "PROXY_PORT=${PROXY_HOST:-127.0.0.1}:${PROXY_PORT:-8000}" \
+    "PREFILL_SIDE_PORT=$KVBRIDGE_HOST:${PREFILL_SIDE_PORT:-5790}" \
+    "DECODE_SIDE_PORT=$KVBRIDGE_HOST:${DECODE_SIDE_PORT:-5800}" 2>&1); then
+  echo "one-host.sh: $taken; nothing started" >&2
+  exit 1
+fi
+
 case "${1:-}" in
   --wait)
     shift

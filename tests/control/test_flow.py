@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import pytest
 
 from tests.control.engine import BlockAllocator, run_requests
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound once, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_bytes(d, sources):

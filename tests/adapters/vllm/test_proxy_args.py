@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 _SCRIPT = Path(sys.executable).parent / "kvbridge-proxy"
 #: The installed console script; where this interpreter's environment has none (the vLLM 0.33
 #: environment, which sees the main one's packages), the same ``main`` through ``-m``.
@@ -106,12 +108,6 @@ def servers(*extra: str) -> tuple[str, ...]:
 )
 def test_a_bad_argument_is_one_line_and_exit_status_2(args: tuple[str, ...], message: str) -> None:
     assert message in one_line_error(*args)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_port_in_use_is_one_line_before_serving() -> None:
