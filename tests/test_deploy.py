@@ -136,3 +136,30 @@ def test_one_host_names_a_taken_port_before_starting_anything(tmp_path: Path) ->
             ], done.stderr
             assert not (tmp_path / "prefill.log").exists()
             assert not (tmp_path / "one-host.pid").exists()
+
+
+@pytest.mark.parametrize(
+    ("variables", "words"),
+    [
+        ({"KVB_TRANSPORT": "mooncak"}, "no transport named 'mooncak'"),
+        ({"KVB_TRANSPORT_OPTIONS": '{"protocl": "tcp"}'}, "did you mean 'protocol'?"),
+        ({"KVB_MODE": "pul"}, "mode"),
+    ],
+)
+def test_a_wrong_setting_stops_the_scripts_before_vllm_starts(variables, words) -> None:
+    """A transport name typo stopped D after 146 s, 275 log lines and 5 tracebacks: the
+    scripts now say it in one line before vLLM starts."""
+    env = {k: v for k, v in os.environ.items() if k != "KVBRIDGE_SECRET_FILE"}
+    env.update(MODEL="unused", PYTHON=sys.executable, HTTP_PORT=str(free_port()), **variables)
+    done = subprocess.run(
+        ["bash", str(scripts_dir() / "prefill.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("kvbridge kv_producer:")]
+    assert len(lines) == 1 and words in lines[0], done.stderr
+    assert lines[0].endswith("; vLLM not started")
+    assert "Traceback" not in done.stderr and "api_server" not in done.stderr

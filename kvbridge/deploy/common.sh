@@ -92,6 +92,13 @@ serve() {
   fi
   config=$(printf '{"kv_connector": "KVBridgeConnector", "kv_role": "%s"%s, "kv_connector_extra_config": {"transport": "%s", "transport_options": %s, "mode": "%s", "timeout": %s, "lease": %s%s%s}}' \
     "$role" "$extra" "$KVB_TRANSPORT" "$KVB_TRANSPORT_OPTIONS" "$KVB_MODE" "$KVB_TIMEOUT" "$KVB_LEASE" "$peers" "$KVB_EXTRA")
+  # what the connector checks at start (options, the transport and its engine), in seconds,
+  # before vLLM loads the model: one line and exit 2 on a wrong setting
+  local wrong
+  if ! wrong=$("$PYTHON" -m kvbridge.adapters.vllm.preflight "$config" 2>&1); then
+    echo "kvbridge $role: ${wrong#kvbridge: }; vLLM not started" >&2
+    exit 2
+  fi
   echo "kvbridge $role: $KVB_TRANSPORT $KVB_MODE, side channel $KVBRIDGE_HOST:$KVBRIDGE_PORT," \
        "HTTP $HTTP_HOST:$HTTP_PORT" >&2
   exec "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
