@@ -163,3 +163,41 @@ def test_a_wrong_setting_stops_the_scripts_before_vllm_starts(variables, words) 
     assert len(lines) == 1 and words in lines[0], done.stderr
     assert lines[0].endswith("; vLLM not started")
     assert "Traceback" not in done.stderr and "api_server" not in done.stderr
+
+
+def test_decodes_load_counters_are_read_from_prometheus_text() -> None:
+    from kvbridge.deploy.readiness import FAILED_LOADS, LOADS, counter
+
+    text = (
+        "# HELP vllm:kvbridge_transfers_total Successful kvbridge KV cache transfers.\n"
+        f'{LOADS}{{engine="0",model_name="m"}} 3.0\n'
+        f'{LOADS}{{engine="1",model_name="m"}} 2.0\n'
+        f"{LOADS}_created 1.7e9\n"
+        f"{FAILED_LOADS} 1.0\n"
+    )
+    assert counter(text, LOADS) == 5.0 and counter(text, FAILED_LOADS) == 1.0
+    assert counter(text, "vllm:absent") == 0.0
+
+
+def test_the_transfer_probe_fails_in_one_line_when_nothing_answers() -> None:
+    from kvbridge.deploy.readiness import main
+
+    front, decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbridge.deploy.readiness",
+            "--transfer",
+            front,
+            "--decode",
+            decode,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"not ready: a completion through {front} failed")
+    with pytest.raises(SystemExit):
+        main(["--transfer", front])  # --decode missing: a usage error

@@ -2,7 +2,9 @@
 # P, D and a router on one host (one GPU each, or CPU cores apart): a complete P/D deployment.
 #   MODEL=... ./one-host.sh [vLLM args for both instances...]      in the foreground
 #   MODEL=... ./one-host.sh --wait [vLLM args...]   in the background; returns once P, D and the
-#                                                   router answer /health (or fails, and stops)
+#                                                   router answer /health and one completion
+#                                                   through the router moved its KV cache from
+#                                                   P to D (or fails, and stops)
 #   ./one-host.sh --stop                            stops a deployment started with --wait
 # Then send OpenAI requests to http://127.0.0.1:8000.
 #   ROUTER                                             vllm-router (default: router.sh) or
@@ -70,11 +72,15 @@ case "${1:-}" in
     echo $! >"$pidfile"
     echo "starting prefill, decode and ${ROUTER:-vllm-router} (logs in $LOG_DIR); waiting for" \
          "/health (up to ${READY_TIMEOUT:-900} s)" >&2
-    if ! "$PYTHON" -m kvbridge.deploy.readiness --pid "$(cat "$pidfile")" \
+    # ready means able to transfer: every /health answers 200, then one completion through the
+    # router makes decode load its KV cache from prefill
+    front="http://${PROXY_HOST:-127.0.0.1}:${PROXY_PORT:-8000}"
+    if ! { "$PYTHON" -m kvbridge.deploy.readiness --pid "$(cat "$pidfile")" \
         --timeout "${READY_TIMEOUT:-900}" \
         "http://$HTTP_HOST:${PREFILL_PORT:-8100}/health" \
-        "http://$HTTP_HOST:${DECODE_PORT:-8200}/health" \
-        "http://${PROXY_HOST:-127.0.0.1}:${PROXY_PORT:-8000}/health"; then
+        "http://$HTTP_HOST:${DECODE_PORT:-8200}/health" "$front/health" &&
+      "$PYTHON" -m kvbridge.deploy.readiness --transfer "$front" \
+        --decode "http://$HTTP_HOST:${DECODE_PORT:-8200}"; }; then
       for log in one-host prefill decode; do
         [ -f "$LOG_DIR/$log.log" ] && { echo "--- last lines of $LOG_DIR/$log.log" >&2; tail -n 5 "$LOG_DIR/$log.log" >&2; }
       done

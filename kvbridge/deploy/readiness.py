@@ -4,10 +4,16 @@ and check, before anything starts, that the ports a deployment will listen on ar
     python -m kvbridge.deploy.readiness --pid PID --timeout 900 http://127.0.0.1:8100/health ...
     python -m kvbridge.deploy.readiness --free PROXY_PORT=127.0.0.1:8000 ...
 
+    python -m kvbridge.deploy.readiness --transfer http://127.0.0.1:8000 \
+        --decode http://127.0.0.1:8200
+
 Exits 0 once every URL answered 200; 1 with one line naming what is not ready when ``--timeout``
 seconds pass or process ``PID`` (the deployment) exits first. With ``--free``: 0 when each
 ``NAME=HOST:PORT`` can be listened on, else 1 with one line naming the first taken port and the
-variable that sets it. Uses only the standard library: the scripts' interpreter needs nothing
+variable that sets it. With ``--transfer``: one completion through the front (the router), then
+0 when decode's ``/metrics`` counted a KV cache load from prefill for it, else 1 with one line
+(a pair that answers ``/health`` may still recompute every request: P and D of different
+models or block sizes). Uses only the standard library: the scripts' interpreter needs nothing
 more than kvbridge.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import socket
 import sys
@@ -63,6 +70,73 @@ def wait_healthy(urls: Sequence[str], timeout: float, pid: int | None = None) ->
         time.sleep(POLL_S)
 
 
+#: Decode's counters of kvbridge loads, as vLLM's Prometheus hook exports them.
+LOADS = "vllm:kvbridge_transfers_total"
+FAILED_LOADS = "vllm:kvbridge_transfer_failures_total"
+#: The probe's prompt: some tokens to move, whatever the tokenizer (a one-token prompt of a model
+#: with recurrent state has none to load).
+PROBE_PROMPT = "kvbridge readiness probe: " + "one request from prefill to decode. " * 8
+
+
+def _open(url: str, body: dict[str, object] | None = None, timeout: float = 30.0) -> bytes:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"content-type": "application/json"})
+    with opener.open(request, timeout=timeout) as response:
+        return bytes(response.read(1 << 20))
+
+
+def counter(metrics_text: str, name: str) -> float:
+    """A Prometheus sample's value summed over its labels (0 when absent)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _loads(decode: str) -> tuple[float, float]:
+    text = _open(decode.rstrip("/") + "/metrics").decode()
+    return counter(text, LOADS), counter(text, FAILED_LOADS)
+
+
+def transfer_works(front: str, decode: str, wait: float = 30.0) -> str | None:
+    """One completion through ``front``; None once decode counted a load from prefill for it,
+    else why not (one line). Decode's counters reach its ``/metrics`` once per engine step,
+    hence the bounded wait."""
+    front = front.rstrip("/")
+    try:
+        loads, failed = _loads(decode)
+        # the served model's name as decode's own vLLM says it (a router may not forward this)
+        models = json.loads(_open(decode.rstrip("/") + "/v1/models"))
+        model = models["data"][0]["id"]
+        _open(
+            front + "/v1/completions",
+            {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0},
+            timeout=max(wait, 30.0),
+        )
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
+        return f"a completion through {front} failed: {err}"
+    deadline = time.monotonic() + wait
+    while True:
+        now_loads, now_failed = _loads(decode)
+        if now_loads > loads:
+            return None
+        if now_failed > failed:
+            return (
+                f"a completion through {front} was answered, but decode's load of its KV cache "
+                "from prefill failed, so decode recomputes every prompt (decode's log says why: "
+                "P and D of different models, block sizes or cache settings are refused)"
+            )
+        if time.monotonic() >= deadline:
+            return (
+                f"a completion through {front} was answered, but decode loaded nothing from "
+                f"prefill within {wait:g} s (is the front a P/D router sending both P and D the "
+                "request? decode's log may say why)"
+            )
+        time.sleep(POLL_S)
+
+
 def port_taken(name: str, host: str, port: int) -> str | None:
     """Why a server could not listen on ``host:port`` now (one line naming ``name``, the
     variable that sets the port), or None when it could."""
@@ -103,6 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds (900)")
     parser.add_argument("--pid", type=int, default=None, help="stop waiting if it exits")
     parser.add_argument(
+        "--transfer", metavar="FRONT_URL", help="send one completion through the front, then"
+    )
+    parser.add_argument(
+        "--decode", metavar="DECODE_URL", help="... wait for decode's /metrics to count its load"
+    )
+    parser.add_argument(
         "--free",
         nargs="+",
         metavar="NAME=HOST:PORT",
@@ -115,8 +195,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(taken, file=sys.stderr)
             return 1
         return 0
+    if args.transfer or args.decode:
+        if not (args.transfer and args.decode):
+            parser.error("--transfer FRONT_URL goes with --decode DECODE_URL")
+        failed = transfer_works(args.transfer, args.decode)
+        if failed is not None:
+            print(f"not ready: {failed}", file=sys.stderr)
+            return 1
+        return 0
     if not args.urls:
-        parser.error("give the health URLs to wait for (or --free NAME=HOST:PORT ...)")
+        parser.error("give the health URLs to wait for (or --free, or --transfer)")
     if args.timeout <= 0:
         parser.error(f"--timeout {args.timeout:g}: give a positive number of seconds")
     why = wait_healthy(args.urls, args.timeout, args.pid)

@@ -75,7 +75,9 @@ def test_the_one_host_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert answer["choices"][0]["text"], answer
     assert answer["usage"]["completion_tokens"] > 0, answer
     decode = logs.get("decode.log", "")
-    assert re.search(r"kvbridge: load of \S+ done", decode), f"D loaded nothing from P:\n{shown}"
+    # two loads at least: --wait's readiness probe's, then the curl's
+    loads = re.findall(r"kvbridge: load of \S+ done", decode)
+    assert len(loads) >= 2, f"D loaded {len(loads)} requests from P:\n{shown}"
     assert "ready: http://127.0.0.1:8000" in done.stderr, done.stderr
     assert "note: no KVBRIDGE_SECRET_FILE" in done.stderr, done.stderr
     assert not any(_taken(port) for port in PORTS), "the quick start left a server running"
