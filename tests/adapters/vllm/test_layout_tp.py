@@ -385,6 +385,37 @@ def expected_rank(
     return expected
 
 
+def move_to_d_rank(
+    p_layouts: list[Layout],
+    d_layout: Layout,
+    d_rank: int,
+    p_ids: IdMap,
+    d_ids: IdMap,
+    ps: list[VllmCaches],
+    d: VllmCaches,
+    expected: VllmCaches,
+) -> dict[int, Any]:
+    """Plan every P rank's part of D rank ``d_rank``'s request and apply it; D must then hold
+    ``expected``. What the control plane does is checked on the way: handshake checks with the
+    P ranks D talks to (both ways), and planning from those alone gives the same plans."""
+    tp, td = len(p_layouts), d_layout.spec.tp_size
+    plans = plan_tp_transfers(p_layouts, d_layout, p_ids, d_ids)
+    contacts = contact_ranks(d_rank, td, tp)
+    for q in contacts:
+        check_compatible(p_layouts[q], d_layout)
+        check_compatible(d_layout, p_layouts[q])
+    mine = plan_tp_reads({q: p_layouts[q] for q in contacts}, d_layout, p_ids, d_ids)
+    assert {q: (m.count, m.nbytes) for q, m in mine.items()} == {
+        q: (m.count, m.nbytes) for q, m in plans.items()
+    }
+    for p_rank, plan in plans.items():
+        apply_plan(plan, ps[p_rank], d)
+    assert torch.equal(d.buffer, expected.buffer), (
+        f"D rank {d_rank}: {first_difference(d.buffer, expected.buffer)}"
+    )
+    return plans
+
+
 def _same_groups(p: VllmCaches, d: VllmCaches) -> None:
     assert [g.layer_names for g in p.config.kv_cache_groups] == [
         g.layer_names for g in d.config.kv_cache_groups
@@ -415,22 +446,7 @@ def test_tp_transfer_is_exact_and_minimal(
             d.fill(D_SEED + d_rank)
             expected = expected_rank(g, d, td, d_rank, p_ids, d_ids)
             d_layout = layout_of(d, td, d_rank)
-            plans = plan_tp_transfers(p_layouts, d_layout, p_ids, d_ids)
-            # What the control plane does: handshake checks with the P ranks D talks to (both
-            # ways), then plans from those alone.
-            contacts = contact_ranks(d_rank, td, tp)
-            for q in contacts:
-                check_compatible(p_layouts[q], d_layout)
-                check_compatible(d_layout, p_layouts[q])
-            mine = plan_tp_reads({q: p_layouts[q] for q in contacts}, d_layout, p_ids, d_ids)
-            assert {q: (m.count, m.nbytes) for q, m in mine.items()} == {
-                q: (m.count, m.nbytes) for q, m in plans.items()
-            }
-            for p_rank, plan in plans.items():
-                apply_plan(plan, ps[p_rank], d)
-            assert torch.equal(d.buffer, expected.buffer), (
-                f"D rank {d_rank}: {first_difference(d.buffer, expected.buffer)}"
-            )
+            plans = move_to_d_rank(p_layouts, d_layout, d_rank, p_ids, d_ids, ps, d, expected)
             for p_rank in range(tp):
                 runs = expected_runs(g, ps[p_rank], d, tp, td, d_rank, p_rank, moved)
                 plan = plans.get(p_rank)

@@ -37,7 +37,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 
 from kvbridge.adapters.vllm.layout import build_layout_spec
 from kvbridge.core import Layout, LayoutError, check_compatible, plan_transfers
-from kvbridge.core.tp import contact_ranks, plan_tp_reads, plan_tp_transfers
+from kvbridge.core.tp import contact_ranks
 from tests.adapters.vllm.test_layout_matrix import (
     ByteRuns,
     IdMap,
@@ -54,6 +54,7 @@ from tests.adapters.vllm.test_layout_tp import (
     expected_runs,
     layout_of,
     local_kv_heads,
+    move_to_d_rank,
     rank_specs,
     source_rank,
     state_views,
@@ -370,19 +371,7 @@ def tp_move_and_check(kind: str, ps: list[VllmCaches], ds: list[VllmCaches]) -> 
         copy_states(ps[source], expected, whole)
 
         d_layout = layout_of(d, td, d_rank)
-        for q in contacts:
-            check_compatible(p_layouts[q], d_layout)
-            check_compatible(d_layout, p_layouts[q])
-        plans = plan_tp_transfers(p_layouts, d_layout, p_ids, d_ids)
-        mine = plan_tp_reads({q: p_layouts[q] for q in contacts}, d_layout, p_ids, d_ids)
-        assert {q: (m.count, m.nbytes) for q, m in mine.items()} == {
-            q: (m.count, m.nbytes) for q, m in plans.items()
-        }
-        for p_rank, sent in plans.items():
-            apply_plan(sent, ps[p_rank], d)
-        assert torch.equal(d.buffer, expected.buffer), (
-            f"D rank {d_rank}: {first_difference(d.buffer, expected.buffer)}"
-        )
+        plans = move_to_d_rank(p_layouts, d_layout, d_rank, p_ids, d_ids, ps, d, expected)
         for p_rank in range(tp):
             runs = joined(
                 expected_runs(g, ps[p_rank], d, tp, td, d_rank, p_rank, sharded)
