@@ -128,6 +128,10 @@ class Leases:
         # (a late PushRequest or PullStart for them is refused); both until the time given.
         self._push_results: dict[tuple[str, int], tuple[PushDone, float, str]] = {}
         self._withdrawn: dict[tuple[str, str], float] = {}
+        # Holds that ended with no word from D (unclaimed, or the lease ran out), by (request
+        # id, token): until when, and why. A D rank that comes late (its request queued past
+        # the claim timeout) is told so at once instead of waiting for a publish or a push.
+        self._lapsed: dict[tuple[str, str], tuple[float, str]] = {}
         # Layers written to D ranks before publish (``stream``), by the pending push's key;
         # kept until the push at publish takes them over, or fenced when it never comes.
         self._streams: dict[PushKey, Stream] = {}
@@ -301,6 +305,19 @@ class Leases:
                 if lease.expires_at < now and not lease.pushing
             ]
             unclaimed = {r for r in expired if not self._leases[r].readers}
+            deadlines = self._ctx.deadlines
+            reasons = {
+                r: (
+                    f"no decode claimed it within {deadlines.claim:g} s of publishing"
+                    if r in unclaimed
+                    else f"lease of {deadlines.lease:g} s expired before decode released it"
+                )
+                for r in expired
+            }
+            for r in expired:
+                bearer = (r, self._leases[r].params.token)
+                self._lapsed[bearer] = (now + deadlines.remember, reasons[r])
+            forget_expired(self._lapsed, now, lambda lapsed: lapsed[0])
             forget_expired(self._pending_push, now, lambda pushed: pushed[2])
             orphans = [
                 key
@@ -311,14 +328,9 @@ class Leases:
                 self._notices.pop(key).close()
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
-        deadlines = self._ctx.deadlines
         for rid in expired:
-            if rid in unclaimed:
-                reason = f"no decode claimed it within {deadlines.claim:g} s of publishing"
-            else:
-                reason = f"lease of {deadlines.lease:g} s expired before decode released it"
             stats = RequestStats(lease_expired=True, unclaimed=rid in unclaimed)
-            self._free(rid, False, reason, stats)
+            self._free(rid, False, reasons[rid], stats)
         for key in orphans:
             self._end_stream(key, "prefill never published the request it streamed")
 
@@ -430,6 +442,7 @@ class Leases:
         with self._lock:
             lease = self._leases.get(body.request_id)
             if lease is None:
+                self._refuse_lapsed(body.request_id, body.token)
                 raise _unknown(body.request_id)
             _require_token(lease, body)
             if any(r.pushing for r in lease.readers.values()):
@@ -557,6 +570,8 @@ class Leases:
         lease = self._leases.get(rid)
         if lease is not None:
             _require_token(lease, body)
+        else:
+            self._refuse_lapsed(rid, body.token)
         if (rid, body.token) in self._withdrawn or (rid, body.rank) in self._push_results:
             raise MessageError(
                 "withdrawn", f"request {rid!r} was aborted, withdrawn by prefill, or already pushed"
@@ -572,6 +587,20 @@ class Leases:
             self._pending_push[key] = (remote, body, until)
             log.debug("request %s: %s before publish", rid, what)
         return remote, lease
+
+    def _refuse_lapsed(self, request_id: str, token: str) -> None:
+        """Refuse, lock held, a D rank's late word on a hold that ended without D (its
+        request waited in D's queue past the claim timeout, or its read past the lease): D
+        then computes the prompt itself now, not after waiting for a publish that never
+        comes. Only the bearer of the request's token learns why."""
+        lapsed = self._lapsed.get((request_id, token))
+        if lapsed is not None:
+            raise MessageError(
+                "hold_expired",
+                f"prefill no longer holds request {request_id!r}: {lapsed[1]} (decode "
+                "computes it; if decode queues requests that long, raise claim_timeout on "
+                "prefill)",
+            )
 
     # -- P's push ---------------------------------------------------------------------------------
     def _start_push(

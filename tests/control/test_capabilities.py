@@ -164,6 +164,33 @@ def test_a_flood_of_unclaimed_prefills_is_freed_at_the_claim_timeout(engines):
     assert freed["normal"]["ok"], freed["normal"]
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_claim_after_the_claim_timeout_is_refused_at_once_with_the_reason(engines, mode):
+    """D queued the request past P's claim timeout (decode saturated): P freed the blocks. D's
+    late claim is told why at once, so D computes the prompt now, neither reading released
+    blocks nor waiting for a publish (pull) or a write (push) that never comes; a later request
+    still moves every byte."""
+    claim = 1.0
+    p = engines("prefill", "cma", seed=251, claim_timeout=claim, lease=60.0)
+    d = engines("decode", "cma", seed=252)
+    alloc, d_alloc = BlockAllocator(p.layout, 5), BlockAllocator(d.layout, 6)
+    late_ids = alloc.request(100)
+    late = p.call(cmd="publish", request_id="late", block_ids=late_ids, num_tokens=100, mode=mode)
+    assert wait_until(lambda: p.call(cmd="leased") == [], timeout=10 * claim)
+    d.call(cmd=mode, params=late, block_ids=d_alloc.request(100))
+    outcome = d.call(cmd="wait", request_id="late")
+    assert not outcome["ok"]
+    # P's word, not D's own bound: "not held ... (waited 8 s)" or a push settled at the deadline
+    assert f"no decode claimed it within {claim:g} s of publishing" in outcome["reason"], outcome
+    assert "hold_expired" in outcome["reason"] or "no longer holds" in outcome["reason"], outcome
+    p_ids = alloc.request(100)
+    params = p.call(cmd="publish", request_id="next", block_ids=p_ids, num_tokens=100, mode=mode)
+    d_ids = d_alloc.request(100)
+    d.call(cmd=mode, params=params, block_ids=d_ids)
+    assert d.call(cmd="wait", request_id="next")["ok"]
+    assert d.call(cmd="verify", sources=[{"config": p.config, "pairs": [[p_ids, d_ids]]}])["ok"]
+
+
 def test_failed_authentication_is_logged_on_both_sides(engines):
     p = engines("prefill", "cma", seed=241, secret=SECRET)
     d = engines("decode", "cma", seed=242, secret="not the secret", handshake_timeout=2)
