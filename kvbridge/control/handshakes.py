@@ -39,6 +39,13 @@ from kvbridge.core.layout import Layout
 
 log = logging.getLogger("kvbridge.control")
 
+#: Refusal codes that mean P and D cannot pair at all (each side's layout, the transport, a TP
+#: rank that is not the one named, another protocol version): every load between them fails
+#: alike until the deployment is fixed, unlike a peer that is busy, gone or restarted.
+INCOMPATIBLE_CODES = frozenset(
+    {"layout", "layout_mismatch", "transport_mismatch", "tp_rank", "version"}
+)
+
 
 def _log_connect_failure(engine_id: str, connecting: Future[None]) -> None:
     err = None if connecting.cancelled() else connecting.exception()

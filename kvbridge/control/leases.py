@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,6 +57,10 @@ from kvbridge.core.tp import plan_tp_pair, reporting_ranks
 from kvbridge.core.transport import Fence, TransferOp
 
 log = logging.getLogger("kvbridge.control")
+
+#: The most ended holds P remembers (``Leases._ended``), each for ``Deadlines.remember``: a
+#: thousand requests a second for a 30 s lease stay within it.
+ENDED_KEPT = 65536
 
 
 @dataclass
@@ -128,10 +133,12 @@ class Leases:
         # (a late PushRequest or PullStart for them is refused); both until the time given.
         self._push_results: dict[tuple[str, int], tuple[PushDone, float, str]] = {}
         self._withdrawn: dict[tuple[str, str], float] = {}
-        # Holds that ended with no word from D (unclaimed, or the lease ran out), by (request
-        # id, token): until when, and why. A D rank that comes late (its request queued past
-        # the claim timeout) is told so at once instead of waiting for a publish or a push.
-        self._lapsed: dict[tuple[str, str], tuple[float, str]] = {}
+        # Holds that ended (released, pushed, aborted, unclaimed or past the lease), by
+        # (request id, token), oldest first: until when, and why. A D rank that comes late (its
+        # request queued past the claim timeout, a retried or repeated request) is told so at
+        # once instead of waiting for a publish or a push that never comes. At most
+        # ``ENDED_KEPT``: the oldest go first (then a late claim waits its bound, as before).
+        self._ended: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
         # Layers written to D ranks before publish (``stream``), by the pending push's key;
         # kept until the push at publish takes them over, or fenced when it never comes.
         self._streams: dict[PushKey, Stream] = {}
@@ -171,6 +178,7 @@ class Leases:
         with self._lock:
             if request_id in self._leases:
                 raise KvbridgeError(f"request {request_id!r} is already published")
+            self._ended.pop((request_id, token), None)  # published again: held anew
             if (request_id, token) in self._withdrawn:
                 # D gave it up before this engine published it: nobody will read the blocks.
                 reason = "aborted by decode before it was published"
@@ -314,10 +322,8 @@ class Leases:
                 )
                 for r in expired
             }
-            for r in expired:
-                bearer = (r, self._leases[r].params.token)
-                self._lapsed[bearer] = (now + deadlines.remember, reasons[r])
-            forget_expired(self._lapsed, now, lambda lapsed: lapsed[0])
+            while self._ended and next(iter(self._ended.values()))[0] < now:
+                self._ended.popitem(last=False)  # kept alike: the oldest expire first
             forget_expired(self._pending_push, now, lambda pushed: pushed[2])
             orphans = [
                 key
@@ -442,7 +448,7 @@ class Leases:
         with self._lock:
             lease = self._leases.get(body.request_id)
             if lease is None:
-                self._refuse_lapsed(body.request_id, body.token)
+                self._refuse_ended(body.request_id, body.token)
                 raise _unknown(body.request_id)
             _require_token(lease, body)
             if any(r.pushing for r in lease.readers.values()):
@@ -571,7 +577,7 @@ class Leases:
         if lease is not None:
             _require_token(lease, body)
         else:
-            self._refuse_lapsed(rid, body.token)
+            self._refuse_ended(rid, body.token)
         if (rid, body.token) in self._withdrawn or (rid, body.rank) in self._push_results:
             raise MessageError(
                 "withdrawn", f"request {rid!r} was aborted, withdrawn by prefill, or already pushed"
@@ -588,18 +594,20 @@ class Leases:
             log.debug("request %s: %s before publish", rid, what)
         return remote, lease
 
-    def _refuse_lapsed(self, request_id: str, token: str) -> None:
-        """Refuse, lock held, a D rank's late word on a hold that ended without D (its
-        request waited in D's queue past the claim timeout, or its read past the lease): D
-        then computes the prompt itself now, not after waiting for a publish that never
-        comes. Only the bearer of the request's token learns why."""
-        lapsed = self._lapsed.get((request_id, token))
-        if lapsed is not None:
+    def _refuse_ended(self, request_id: str, token: str) -> None:
+        """Refuse, lock held, a D rank's word on a hold that ended (its request waited in
+        D's queue past the claim timeout, or came again after its load): D then computes the
+        prompt itself now, not after waiting for a publish that never comes. Only the bearer
+        of the request's token learns why."""
+        ended = self._ended.get((request_id, token))
+        if ended is not None:
+            hint = ""
+            if ended[1].startswith("no decode claimed"):
+                hint = " (if decode queues requests that long, raise claim_timeout on prefill)"
             raise MessageError(
-                "hold_expired",
-                f"prefill no longer holds request {request_id!r}: {lapsed[1]} (decode "
-                "computes it; if decode queues requests that long, raise claim_timeout on "
-                "prefill)",
+                "hold_ended",
+                f"prefill no longer holds request {request_id!r}: {ended[1]}; decode computes "
+                f"it{hint}",
             )
 
     # -- P's push ---------------------------------------------------------------------------------
@@ -737,6 +745,12 @@ class Leases:
             if lease is None:
                 return False
             self._ctx.record(RequestOutcome(request_id, ok, reason, stats or RequestStats()))
+            self._ended[(request_id, lease.params.token)] = (
+                time.monotonic() + self._ctx.deadlines.remember,
+                reason or "its transfer ended",
+            )
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
         log.debug("request %s: blocks freed (%s)", request_id, reason)
         return True
 

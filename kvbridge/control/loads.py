@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from kvbridge.control.channel import PeerClient
 from kvbridge.control.context import PlaneContext
-from kvbridge.control.handshakes import Handshakes, RemoteEngine
+from kvbridge.control.handshakes import INCOMPATIBLE_CODES, Handshakes, RemoteEngine
 from kvbridge.control.messages import (
     Abort,
     BlockIds,
@@ -50,6 +50,7 @@ from kvbridge.core.errors import (
     ControlError,
     IntegrityError,
     KvbridgeError,
+    LayoutError,
     MessageError,
     PeerRefusedError,
     PeerTimeoutError,
@@ -258,7 +259,16 @@ class Loads:
         return pending
 
     def _handshake_all(self, pending: _Pending) -> None:
-        """Handshake with every P rank of the request (cached) and check who they are."""
+        """Handshake with every P rank of the request (cached) and check who they are; a
+        pairing refused on either side marks the load ``incompatible`` (counted apart)."""
+        try:
+            self._check_ranks(pending)
+        except (ControlError, LayoutError) as err:
+            if isinstance(err, LayoutError) or err.code in INCOMPATIBLE_CODES:
+                pending.stats.incompatible = True
+            raise
+
+    def _check_ranks(self, pending: _Pending) -> None:
         params = pending.params
         for rank, part in pending.parts.items():
             remote = self._peers.remote_for(part.address, pending.stats)

@@ -169,6 +169,9 @@ class RequestStats:
     lease_expired: bool = False
     #: P: of those, no D rank had claimed it (freed at ``Deadlines.claim``, before the lease)
     unclaimed: bool = False
+    #: D: the load failed because P and D cannot pair (their layouts, models, block sizes,
+    #: transports or TP ranks differ): every load between them fails alike
+    incompatible: bool = False
     #: of ``nbytes``, what moved layer by layer while P still computed the request (P's writes
     #: in a layer-wise push, D's reads in a layer-wise pull)
     streamed_nbytes: int = 0

@@ -73,6 +73,8 @@ def wait_healthy(urls: Sequence[str], timeout: float, pid: int | None = None) ->
 #: Decode's counters of kvbridge loads, as vLLM's Prometheus hook exports them.
 LOADS = "vllm:kvbridge_transfers_total"
 FAILED_LOADS = "vllm:kvbridge_transfer_failures_total"
+#: of those, the loads refused because prefill and decode cannot pair
+INCOMPATIBLE_LOADS = "vllm:kvbridge_incompatible_loads_total"
 #: The probe's prompt: some tokens to move, whatever the tokenizer (a one-token prompt of a model
 #: with recurrent state has none to load).
 PROBE_PROMPT = "kvbridge readiness probe: " + "one request from prefill to decode. " * 8
@@ -95,9 +97,9 @@ def counter(metrics_text: str, name: str) -> float:
     return total
 
 
-def _loads(decode: str) -> tuple[float, float]:
+def _loads(decode: str) -> tuple[float, float, float]:
     text = _open(decode.rstrip("/") + "/metrics").decode()
-    return counter(text, LOADS), counter(text, FAILED_LOADS)
+    return counter(text, LOADS), counter(text, FAILED_LOADS), counter(text, INCOMPATIBLE_LOADS)
 
 
 def transfer_works(front: str, decode: str, wait: float = 30.0) -> str | None:
@@ -106,7 +108,7 @@ def transfer_works(front: str, decode: str, wait: float = 30.0) -> str | None:
     hence the bounded wait."""
     front = front.rstrip("/")
     try:
-        loads, failed = _loads(decode)
+        loads, failed, refused = _loads(decode)
         # the served model's name as decode's own vLLM says it (a router may not forward this)
         models = json.loads(_open(decode.rstrip("/") + "/v1/models"))
         model = models["data"][0]["id"]
@@ -119,9 +121,16 @@ def transfer_works(front: str, decode: str, wait: float = 30.0) -> str | None:
         return f"a completion through {front} failed: {err}"
     deadline = time.monotonic() + wait
     while True:
-        now_loads, now_failed = _loads(decode)
+        now_loads, now_failed, now_refused = _loads(decode)
         if now_loads > loads:
             return None
+        if now_refused > refused:
+            return (
+                f"a completion through {front} was answered, but prefill and decode cannot "
+                "pair (different models, block sizes, KV layouts, transports or TP ranks: "
+                f"{INCOMPATIBLE_LOADS}), so decode recomputes every prompt; decode's log names "
+                "what differs"
+            )
         if now_failed > failed:
             return (
                 f"a completion through {front} was answered, but decode's load of its KV cache "

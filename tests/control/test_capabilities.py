@@ -106,13 +106,18 @@ def test_a_replayed_login_or_claim_is_refused(engines, raw):
     assert code_of(replayer.send(Release("once", token=params["token"])).body) == (
         "unauthenticated"
     )
-    # The bearer loads it; a replay of its claim afterwards finds nothing to take.
+    # The bearer loads it; a replay of its claim afterwards finds nothing to take, and is told
+    # so at once (P remembers the ended hold for the bearer of its token), not to wait for P
+    # to publish it; without the token the id is unknown, as one never published.
     d.call(cmd="pull", params=params, block_ids=BlockAllocator(d.layout, 3).request(100))
     assert d.call(cmd="wait", request_id="once")["ok"]
     assert wait_until(lambda: p.call(cmd="leased") == [])
     ids = {int(k): v for k, v in params["block_ids"].items()}
     claim = PullStart("once", ids, token=params["token"])
-    assert code_of(honest.send(claim).body) == "unknown_request"
+    reply = honest.send(claim).body
+    assert code_of(reply) == "hold_ended" and "released by decode" in reply.message, reply
+    guess = PullStart("once", ids, token="x" * len(params["token"]))
+    assert code_of(honest.send(guess).body) == "unknown_request"
 
 
 def test_an_abort_before_publish_withdraws_only_with_the_token(engines, raw):

@@ -95,6 +95,7 @@ def test_wrong_secret_is_refused_and_gets_nothing(engines, transport, raw):
     d.call(cmd="pull", params=params, block_ids=BlockAllocator(d.layout, 2).request(100))
     outcome = d.call(cmd="wait", request_id="guarded")
     assert not outcome["ok"] and "authentication" in outcome["reason"]
+    assert not outcome["stats"]["incompatible"]  # a refused peer, not a pair that cannot be
     assert p.call(cmd="pullers") == {"guarded": None}  # P served nothing for the request
 
     client = raw(params["endpoint"])
@@ -273,3 +274,5 @@ def test_incompatible_layouts_fail_the_handshake_with_the_field(engines, transpo
     # by role: "this engine" in D's log meant P
     assert "only on prefill" in outcome["reason"] or "only on decode" in outcome["reason"]
     assert "this engine" not in outcome["reason"]
+    # counted apart from a busy or gone peer (vllm:kvbridge_incompatible_loads_total)
+    assert outcome["stats"]["incompatible"], outcome["stats"]

@@ -166,25 +166,35 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         transport's ``memory_access``, translated (``memory_access.py``). Its class is loaded,
         never built (no engine starts).
 
-        Where the options are bad or the transport cannot be loaded (unknown name, engine
-        missing) this answers ``REGISTERS``, the safe answer, rather than raise inside vLLM's
-        config validation (which would wrap the line in pydantic's report): the connector
-        refuses such a configuration itself with its one-line error (bad options when it is
-        built, a transport it cannot load when the worker registers the caches).
+        vLLM asks it in its API server process before any engine starts, so this is where a
+        wrong setting (an option, the transport's name, a missing engine) stops ``vllm serve``
+        in one line with exit 2 (``preflight.check_vllm_config``), not after the model loaded.
         """
         from kvbridge.adapters.vllm.memory_access import kv_cache_access
-        from kvbridge.core.contract import MemoryAccess
-        from kvbridge.core.errors import TransportError
+        from kvbridge.adapters.vllm.preflight import check_vllm_config
         from kvbridge.core.registry import load_transport_class
 
-        try:
-            extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
-            options = Options.from_extra(extra, cls.default_transport)
-            access = load_transport_class(options.transport).memory_access
-        except (ValueError, TransportError) as err:
-            log.debug("kvbridge: answering vLLM's kv_cache_access with REGISTERS: %s", err)
-            access = MemoryAccess.REGISTERS
-        return kv_cache_access(access)
+        check_vllm_config(kv_transfer_config)
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+        options = Options.from_extra(extra, cls.default_transport)
+        return kv_cache_access(load_transport_class(options.transport).memory_access)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM 0.32 and 0.33 ask this in their API server process when full CUDA graphs are
+        on, before any engine starts: kvbridge checks its settings there, as in
+        ``kv_cache_access`` on 0.34. The answer stays the base class's (False)."""
+        from types import SimpleNamespace
+
+        from kvbridge.adapters.vllm.plugin import CONNECTOR_NAME
+        from kvbridge.adapters.vllm.preflight import check_vllm_config
+
+        suffix = "" if cls.default_transport is None else f"-{cls.default_transport}"
+        config = SimpleNamespace(
+            kv_connector=CONNECTOR_NAME + suffix, kv_connector_extra_config=extra_config
+        )
+        check_vllm_config(config)
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

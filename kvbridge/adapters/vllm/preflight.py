@@ -13,11 +13,18 @@ imports (``load_transport_class``)::
 Exit 0 when the connector would start; 2 with one line saying what is wrong and what to do.
 The deploy scripts run it before they start vLLM. A config that names another connector is not
 kvbridge's to check: exit 0.
+
+``vllm serve`` without the scripts gets the same check from ``check_vllm_config``, which the
+connector calls from the class methods vLLM asks while it builds its config in the API server
+process, before any engine starts: ``kv_cache_access`` (vLLM 0.34, always) and
+``requires_piecewise_for_cudagraph`` (0.32 and 0.33 with CUDA graphs). There a wrong setting
+ends ``vllm serve`` with the same one line and exit 2, seconds after it started.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,6 +58,44 @@ def preflight(kv_transfer_config: Mapping[str, Any]) -> Options | None:
 
     load_transport_class(options.transport)  # its name, and whether its engine imports
     return options
+
+
+#: configurations ``check_vllm_config`` passed (vLLM asks more than once per process)
+_PASSED: set[str] = set()
+
+
+def _vllm_command_line() -> bool:
+    """Whether this process is vLLM's command line (``vllm serve``, ``python -m
+    vllm.entrypoints...``), where a wrong setting ends the process; not a program that builds
+    vLLM's config itself (``LLM(...)``), which gets an exception."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    main = str(getattr(spec, "name", "") or "")
+    return main.startswith("vllm.entrypoints") or os.path.basename(sys.argv[0]) == "vllm"
+
+
+def check_vllm_config(kv_transfer_config: Any) -> None:
+    """``preflight`` of vLLM's ``KVTransferConfig``, from inside vLLM's config validation.
+
+    On vLLM's command line a wrong setting prints ``kvbridge: <what is wrong>`` and exits 2:
+    any exception raised there would reach the user inside pydantic's report and a traceback.
+    Elsewhere it raises ``ValueError`` with that line. Checked once per configuration.
+    """
+    config = {
+        "kv_connector": getattr(kv_transfer_config, "kv_connector", None),
+        "kv_connector_extra_config": getattr(kv_transfer_config, "kv_connector_extra_config", {}),
+    }
+    key = json.dumps(config, sort_keys=True, default=repr)
+    if key in _PASSED:
+        return
+    try:
+        preflight(config)
+    except (ValueError, TransportError) as err:
+        line = str(err) if str(err).startswith("kvbridge") else f"kvbridge: {err}"
+        if _vllm_command_line():
+            print(line, file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise ValueError(line) from None
+    _PASSED.add(key)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -157,6 +157,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 ),
             ),
             (
+                "incompatible",
+                self._counter(
+                    "vllm:kvbridge_incompatible_loads",
+                    "Failed loads because prefill and decode cannot pair (different models, "
+                    "block sizes, KV layouts, transports or TP ranks): decode computes every such "
+                    "prompt until the deployment is fixed; counted on the decode instance (also "
+                    "in transfer failures), its log names what differs.",
+                ),
+            ),
+            (
                 "hold_declined",
                 self._counter(
                     "vllm:kvbridge_holds_declined",

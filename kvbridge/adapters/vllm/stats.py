@@ -45,6 +45,7 @@ def measured(key: str, values: list[Any]) -> list[Any]:
 #: stopped: never handed back); loads whose
 #: integrity check (``verify``) found a difference; P: published requests whose lease expired
 #: before D released them, and of those the ones no D claimed (freed at the claim timeout);
+#: D: failed loads from a P it cannot pair with (``RequestStats.incompatible``);
 #: P's scheduler: prefills past its hold limit (P held nothing, D computed the prompt), the
 #: most blocks it held for decode at one time since start (``held_blocks``) and its bound
 #: (``hold_limit_blocks``); those two are maxima, not sums.
@@ -56,6 +57,7 @@ COUNTERS = (
     "verify_failed",
     "lease_expired",
     "unclaimed",
+    "incompatible",
     "hold_declined",
     "held_blocks",
     "hold_limit_blocks",
@@ -91,6 +93,8 @@ class KVBridgeStats(KVConnectorStats):
             self.data["fence_s"].append(stats.fence_s)
         if stats is not None and stats.verify_failed:
             self.data["verify_failed"] += 1
+        if stats is not None and stats.incompatible:
+            self.data["incompatible"] += 1
 
     def record_lease_expiry(self, unclaimed: bool = False) -> None:
         """P freed a published request's blocks because D never released them in time

@@ -4,8 +4,15 @@ and the worker readying the transport for the extensible (driver-mapped) KV cach
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import vllm.config.kv_transfer as kv_transfer
@@ -22,6 +29,9 @@ from kvbridge.core.registry import available_transports, register_transport, unr
 from kvbridge.core.transport import Transport
 from kvbridge.transports.mooncake.transport import PEERMEM_ENV
 from tests.adapters.vllm.conftest import allocate, attn_spec, single_group_config
+from tests.adapters.vllm.e2e.models import llama_config
+
+REPO = Path(__file__).resolve().parents[3]
 
 needs_kv_cache_access = pytest.mark.skipif(
     not hasattr(kv_transfer, "KVCacheAccess"), reason="vLLM < 0.34 has no kv_cache_access"
@@ -88,25 +98,69 @@ def test_a_plugin_that_declares_nothing_is_answered_registers() -> None:
         unregister_transport("undeclared")
 
 
+WRONG = [
+    ({"transport": "no-such-transport"}, "kvbridge: no transport named 'no-such-transport'; "),
+    ({"transport": "cma", "timeout": "ten"}, "kvbridge option timeout='ten': expected "),
+    (
+        {"transport": "cma", "bogus": 1},
+        "kvbridge: kv_connector_extra_config has no kvbridge option",
+    ),
+]
+
+
 @needs_kv_cache_access
-def test_what_cannot_be_loaded_is_answered_registers_and_refused_by_the_connector() -> None:
-    # vLLM asks inside VllmConfig's validation: raising there would bury the connector's one
-    # line in pydantic's report. The safe answer, then the connector's own refusal.
-    unknown = _asked("KVBridgeConnector", {"transport": "no-such-transport", "port": _port()})
-    assert unknown.kv_cache_access() == _flags({"REGISTERS"})
-    config = VllmConfig(kv_transfer_config=unknown)  # asks kv_cache_access, does not raise
-    caches, kernels = single_group_config(attn_spec())
-    worker = KVBridgeConnector(config, KVConnectorRole.WORKER, caches)
-    try:
-        with pytest.raises(TransportError, match=r"^no transport named 'no-such-transport'; "):
-            worker.register_kv_caches(allocate(caches, kernels))
-    finally:
-        worker.shutdown()
-    bad = _asked("KVBridgeConnector", {"transport": "cma", "timeout": "ten"})
-    assert bad.kv_cache_access() == _flags({"REGISTERS"})
-    bad_config = VllmConfig(kv_transfer_config=bad)
-    with pytest.raises(ValueError, match=r"^kvbridge option timeout='ten': expected "):
-        KVBridgeConnector.get_required_kvcache_layout(bad_config)
+@pytest.mark.parametrize(("extra", "line"), WRONG)
+def test_a_wrong_setting_stops_vllms_config_in_one_line(
+    extra: dict[str, object], line: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """vLLM 0.34 asks ``kv_cache_access`` while it builds its config, before any engine starts:
+    a program building the config gets the error (inside pydantic's report); vLLM's command
+    line prints the one line and exits 2, with no traceback (``preflight.check_vllm_config``)."""
+    from kvbridge.adapters.vllm import preflight
+
+    ktc = _asked("KVBridgeConnector", {**extra, "port": _port()})
+    with pytest.raises(ValueError, match=re.escape(line)):
+        VllmConfig(kv_transfer_config=ktc)
+    monkeypatch.setattr(preflight, "_vllm_command_line", lambda: True)
+    with pytest.raises(SystemExit) as stopped:
+        VllmConfig(kv_transfer_config=ktc)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(line), err
+
+
+@needs_kv_cache_access
+@pytest.mark.timeout(180)
+def test_vllm_serve_with_a_wrong_setting_exits_2_before_any_engine(tmp_path: Path) -> None:
+    """The user's path: vLLM's own API server module, a kvbridge transport name misspelt. It
+    ends with kvbridge's line and exit 2 before an engine process starts (no model load)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(llama_config()))
+    config = {
+        "kv_connector": "KVBridgeConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"transport": "mooncak", "port": _port()},
+    }
+    serve = (
+        "import runpy; from tests.vllm_triton_cpu import allow_x86_without_triton; "
+        "allow_x86_without_triton(); "
+        "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', "
+        "alter_sys=True)"
+    )
+    args = ["--model", str(model), "--skip-tokenizer-init", "--port", str(_port())]
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", serve, *args, "--kv-transfer-config", json.dumps(config)],
+        capture_output=True, text=True, timeout=150, cwd=REPO,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )  # fmt: skip
+    took = time.monotonic() - started
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert last.startswith("kvbridge: no transport named 'mooncak'"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "EngineCore" not in done.stderr, done.stderr[-3000:]
+    print(f"vllm serve stopped after {took:.1f} s: {last}")
 
 
 # -- the worker: the transport readied for driver-mapped memory ---------------------------------

@@ -223,6 +223,20 @@ def test_steps_accumulate_and_failures_alone_add_no_observation(vllm_config: Vll
     assert sample(got, "vllm:kvbridge_lease_expiries_total") == 2
 
 
+def test_loads_from_a_prefill_that_cannot_pair_are_counted_apart(vllm_config: VllmConfig) -> None:
+    """D's failed loads from an incompatible P: among the failures, and in their own counter
+    (what the readiness probe and an operator's alert read)."""
+    prom = PrometheusStatLogger(vllm_config)
+    stats = KVBridgeStats()
+    stats.record_failure(RequestStats(incompatible=True))
+    stats.record_failure(RequestStats())  # a peer gone, a timeout: not counted there
+    assert stats.reduce() == {"transfers": 0, "failed": 2, "incompatible": 1}
+    prom.record(SchedulerStats(kv_connector_stats=stats.to_dict()), None)
+    got = exported()
+    assert sample(got, "vllm:kvbridge_transfer_failures_total") == 2
+    assert sample(got, "vllm:kvbridge_incompatible_loads_total") == 1
+
+
 def test_stat_logger_manager_hands_each_step_to_observe(
     vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

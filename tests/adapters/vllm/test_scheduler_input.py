@@ -10,95 +10,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
-from kvbridge.adapters.vllm.scheduler import (
-    BOOTSTRAP_KEY,
-    LAYERWISE_KEY,
-    PARAMS_KEY,
-    PROCESSED_KEY,
-    GroupInfo,
-    SchedulerState,
-)
+from kvbridge.adapters.vllm.scheduler import PARAMS_KEY, PROCESSED_KEY, GroupInfo, SchedulerState
 from kvbridge.control.requests import Mode, RankAddress, TransferParams
 from kvbridge.core import GroupKind
 from tests.adapters.vllm.conftest import make_request
+from tests.adapters.vllm.kv_params_strategies import transfer_params
 
 GROUPS = [GroupInfo(0, GroupKind.ATTENTION, block_size=32), GroupInfo(1, GroupKind.STATE)]
 GOOD = TransferParams(
     "r1", "p", "tcp://127.0.0.1:1", {0: [3, 4], 1: [7]}, 63, "mooncake", Mode.PULL, token="t" * 24
 ).to_dict()
 
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**63), max_value=2**64 - 1),  # what vLLM's API lets through
-    st.floats(allow_nan=True),
-    st.text(max_size=12),
-)
-values = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
-
-
-@st.composite
-def kvbridge_params(draw: st.DrawFn) -> object:
-    """Our own parameters with some fields broken, or any value at all."""
-    if draw(st.booleans()):
-        return draw(values)
-    broken = dict(GOOD)
-    for key in draw(st.lists(st.sampled_from([*GOOD, "unknown"]), max_size=4)):
-        broken[key] = draw(values)
-    if draw(st.booleans()):
-        broken["block_ids"] = draw(
-            st.dictionaries(
-                st.integers(-3, 5) | st.text(max_size=3),
-                st.lists(st.integers(-(2**63), 2**64 - 1) | st.text(max_size=3), max_size=5),
-                max_size=3,
-            )
-        )
-    return broken
-
-
-@st.composite
-def transfer_params(draw: st.DrawFn) -> dict[str, object]:
-    params: dict[str, object] = {}
-    for key in draw(
-        st.lists(
-            st.sampled_from(
-                [
-                    "do_remote_prefill",
-                    "do_remote_decode",
-                    PARAMS_KEY,
-                    LAYERWISE_KEY,
-                    BOOTSTRAP_KEY,
-                    "transfer_id",
-                    "remote_engine_id",
-                    "kvbridge_mode",
-                    PROCESSED_KEY,
-                ]
-            ),
-            max_size=6,
-        )
-    ):
-        if key == PARAMS_KEY:
-            params[key] = draw(kvbridge_params())
-        elif key in ("do_remote_prefill", "do_remote_decode"):
-            params[key] = draw(st.booleans() | values)
-        elif key == BOOTSTRAP_KEY:
-            params[key] = draw(
-                st.sampled_from(["http://127.0.0.1:99999", "http://[::1", "ftp://x:1", "x"])
-                | values
-            )
-        else:
-            params[key] = draw(values)
-    return params
-
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(params=transfer_params(), prompt=st.integers(1, 130), computed=st.integers(0, 64))
+@given(params=transfer_params(GOOD), prompt=st.integers(1, 130), computed=st.integers(0, 64))
 def test_no_kv_transfer_params_raise_out_of_the_scheduler(params, prompt, computed) -> None:
     logging.getLogger("kvbridge").setLevel(logging.CRITICAL)  # the refusals are logged: quiet
     ranks = [RankAddress("p", "tcp://127.0.0.1:1")]

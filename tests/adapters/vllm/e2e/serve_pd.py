@@ -578,6 +578,8 @@ def run_serve(
     router: str = "kvbridge-proxy",
     log: Any = print,
     flood: int = 0,
+    fuzz: int = 0,
+    queue_past_claim: bool = False,
 ) -> dict[str, Any]:
     """P, D and the proxy as deployed by ``examples/deploy``, ``ref``'s prompts via the OpenAI
     client: a summary.
@@ -587,7 +589,10 @@ def run_serve(
     Raises ``ServeError`` (with the logs' tails) when a server, the proxy or a request fails; a
     token mismatch is reported in the summary (``ok`` False, per-prompt ``match``). ``flood``:
     then, with P's holds bounded (``FLOOD_HOLDS``), that many unclaimed prefills sent to P
-    directly (``flood_prefill``; the summary's ``flood``).
+    directly (``flood_prefill``; the summary's ``flood``). ``fuzz``: that many generated
+    ``kv_transfer_params`` sent to D (a third as many to P), ``serve_stress.fuzz_params``;
+    ``queue_past_claim``: a request that waits in a saturated D past P's claim timeout,
+    ``serve_stress.queue_past_claim`` (the summary's ``fuzz`` and ``queue``).
     """
 
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvb-serve-"))
@@ -600,7 +605,7 @@ def run_serve(
 
     try:
         t0 = time.perf_counter()
-        extra = FLOOD_HOLDS if flood else None
+        extra = FLOOD_HOLDS if flood or queue_past_claim else None
         servers, urls = start_pair(ref, transport, mode, work, hosts, router, extra)
         deadline = time.perf_counter() + START_DEADLINE_S
         # D's handshake counter then stays at 0 (checked by the tests).
@@ -657,6 +662,20 @@ def run_serve(
         flooded = flood_prefill(urls, ref, flood, max_tokens) if flood else None
         if flooded is not None:
             log(f"flood of {flood} unclaimed prefills on P: {flooded}")
+        fuzzed = queued = None
+        if fuzz:
+            from tests.adapters.vllm.e2e.serve_stress import fuzz_params
+
+            t1 = time.perf_counter()
+            claim_s = float(FLOOD_HOLDS["KVB_CLAIM_TIMEOUT"]) if extra else 30.0
+            fuzzed = fuzz_params(urls, ref, fuzz, settle_s=claim_s + 20.0)
+            log(f"fuzzed kv_transfer_params ({time.perf_counter() - t1:.1f} s): {fuzzed}")
+        if queue_past_claim:
+            from tests.adapters.vllm.e2e.serve_stress import queue_past_claim as queue
+
+            claim_s = float(FLOOD_HOLDS["KVB_CLAIM_TIMEOUT"])
+            queued = queue(urls, ref, max_tokens, claim_s)
+            log(f"a request queued in D past P's claim timeout: {queued}")
     except (Exception, KeyboardInterrupt) as exc:
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
         raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
@@ -679,6 +698,8 @@ def run_serve(
         "p_params_seen": router != "kvbridge-proxy" or all(r["remote_engine_id"] for r in results),
         "stats": stats,
         "flood": flooded,
+        "fuzz": fuzzed,
+        "queue": queued,
         "timings": timings,
         "work_dir": str(work),
         "logs": {k: str(p) for k, p in logs.items()},
@@ -709,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", help="model and logs here (kept); default: a temp dir")
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--router", default="kvbridge-proxy", choices=["kvbridge-proxy", "vllm-router"])
+    ap.add_argument("--fuzz", type=int, default=0, help="generated kv_transfer_params to send D")
+    ap.add_argument("--queue-past-claim", action="store_true", help="queue one past P's claim")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvb-models-") as models:
         ref = build_reference(CASES[a.model], Path(models), a.max_tokens)
@@ -719,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=a.max_tokens,
             work_dir=a.work_dir,
             router=a.router,
+            fuzz=a.fuzz,
+            queue_past_claim=a.queue_past_claim,
         )
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=1))

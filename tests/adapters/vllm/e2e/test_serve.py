@@ -57,7 +57,10 @@ def test_served_pd_behind_vllm_router_matches_single_instance(
     KV (D's connector stats), with the mode P is configured with."""
     from tests.adapters.vllm.e2e.serve_pd import run_serve
 
-    flood = 24 if transport == "cma" else 0  # once: the holds do not depend on the transport
+    # Once each, on the pair already running: P's holds and the fuzzed parameters do not depend
+    # on the transport; a request queued in D past P's claim timeout, pull and push.
+    flood = 24 if transport == "cma" else 0
+    fuzz = 24 if transport == "cma" else 0
     summary = run_serve(
         reference("llama"),
         transport=transport,
@@ -65,6 +68,8 @@ def test_served_pd_behind_vllm_router_matches_single_instance(
         work_dir=tmp_path,
         router="vllm-router",
         flood=flood,
+        fuzz=fuzz,
+        queue_past_claim=mode in ("pull", "push"),
     )
     check(summary)
     assert summary["stats"]["transfers"] >= len(summary["results"]) + 2 + len(summary["chats"])
@@ -78,6 +83,34 @@ def test_served_pd_behind_vllm_router_matches_single_instance(
         )
     if flood:
         check_flood(summary["flood"])
+    if fuzz:
+        check_fuzz(summary["fuzz"], fuzz)
+    if summary["queue"] is not None:
+        check_queue(summary["queue"], Path(summary["logs"]["decode"]))
+
+
+def check_fuzz(fuzz: dict[str, Any], examples: int) -> None:
+    """Generated ``kv_transfer_params`` through vLLM's API server (issue 45): every answer was the
+    single instance's or a 4xx, both engines stayed up and serve as before, and no KV block of
+    either is held once P's unclaimed holds ended."""
+    assert fuzz["failure"] is None and not fuzz["bad"], fuzz
+    assert sum(fuzz["verdicts"]["decode"].values()) >= examples, fuzz
+    assert sum(fuzz["verdicts"]["prefill"].values()) >= examples // 3, fuzz
+    assert fuzz["health"] == {"decode": 200, "prefill": 200}, fuzz
+    assert fuzz["after"] == "same", fuzz
+    assert fuzz["settled_s"] is not None, f"KV blocks still held after the fuzz: {fuzz}"
+
+
+def check_queue(queue: dict[str, Any], decode_log: Path) -> None:
+    """A request that waited in a saturated D past P's claim timeout (issue 45): answered as the
+    single instance, D's load failed (P had freed the blocks: nothing was read from them), on
+    P's word at once rather than at D's own bound."""
+    assert queue["verdict"] == "same", queue
+    assert queue["unclaimed"] >= 1 and queue["d_failed_loads"] >= 1, queue
+    said = decode_log.read_text(errors="replace")
+    assert "prefill no longer holds request" in said and "no decode claimed it" in said, queue
+    print(f"queued past the claim timeout: answered {queue['answered_after_cancel_s']:.2f} s "
+          "after D's queue cleared")  # fmt: skip
 
 
 def check_flood(flood: dict[str, Any]) -> None:

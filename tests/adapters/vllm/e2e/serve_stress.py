@@ -1,0 +1,252 @@
+"""What a served P/D pair must survive, sent to P and D directly as any client that reaches their
+HTTP ports could (issue 45), each returning what it saw for the tests to check:
+
+- ``fuzz_params``: generated ``kv_transfer_params`` (``tests.adapters.vllm.kv_params_strategies``)
+  through vLLM's own API server: both engines stay up, every answer is the single instance's or
+  a 4xx, and afterwards neither engine holds a KV block.
+- ``queue_past_claim``: D saturated, so that a request P prefilled waits in D's queue until P's
+  hold of it lapsed unclaimed: D answers as the single instance (it computes the prompt, told
+  at once by P), never from released blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tests.adapters.vllm.e2e.run_pd import Reference
+from tests.adapters.vllm.e2e.serve_pd import (
+    FAILURES,
+    REQUEST_TIMEOUT_S,
+    SERVED_NAME,
+    UNCLAIMED,
+    ServeError,
+    scrape,
+)
+
+USAGE = "vllm:kv_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+
+def wait_for(what: str, check: Any, timeout: float, every: float = 0.2) -> float:
+    """Seconds until ``check()`` is true; raises ``ServeError`` naming ``what`` after ``timeout``."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if check():
+            return time.perf_counter() - t0
+        time.sleep(every)
+    raise ServeError(f"{what}: not within {timeout:.0f} s")
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int, params: Any) -> tuple[int, Any]:
+    """One completion (greedy, token ids back): the HTTP status and the JSON answer."""
+    import httpx
+
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": params,
+    }
+    # Python's JSON, as a client may write it: NaN and Infinity included (not strict JSON)
+    content = json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as http:
+        reply = http.post(url + "/v1/completions", content=content, headers=headers)
+    try:
+        return reply.status_code, reply.json()
+    except ValueError:
+        return reply.status_code, reply.text
+
+
+def _prefill(p_url: str, prompt: list[int]) -> dict[str, Any]:
+    """P prefills ``prompt`` for a remote decode (as the router's first leg): P's parameters."""
+    status, answer = _complete(p_url, prompt, 1, {"do_remote_decode": True})
+    if status != 200 or not isinstance(answer, dict) or not answer.get("kv_transfer_params"):
+        raise ServeError(f"P did not prefill for decode: {status} {str(answer)[:300]}")
+    return dict(answer["kv_transfer_params"])
+
+
+def _verdict(status: int, answer: Any, want: list[int]) -> str:
+    """``same`` (the single instance's tokens), ``refused`` (a 4xx) or what else came back."""
+    if 400 <= status < 500:
+        return "refused"
+    if status == 200 and isinstance(answer, dict):
+        got = list(answer["choices"][0].get("token_ids") or [])
+        return "same" if got == want else f"different tokens {got} != {want}"
+    return f"HTTP {status}: {str(answer)[:200]}"
+
+
+def fuzz_params(
+    urls: dict[str, str], ref: Reference, examples: int, settle_s: float, max_tokens: int = 4
+) -> dict[str, Any]:
+    """``examples`` generated ``kv_transfer_params`` sent to D with prompt 0 (around P's real
+    parameters for it), and a third as many to P; what came back.
+
+    Hypothesis draws them (``kv_params_strategies.transfer_params`` with ids that are never a
+    real block, group or token count: a plan well formed enough to load other blocks of the
+    same request is its own client's business). ``bad`` lists every answer that was neither the
+    single instance's tokens nor a 4xx (hypothesis stops at the first and shrinks it); then
+    both servers must answer ``/health`` and a plain request as before, and every KV block of
+    both must be free again within ``settle_s`` (P's unclaimed holds end at its claim timeout).
+    """
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from kvbridge.adapters.vllm.scheduler import PARAMS_KEY
+    from tests.adapters.vllm.kv_params_strategies import INVALID_INT, transfer_params
+
+    p_url, d_url = urls["prefill"], urls["decode"]
+    prompt, want = ref.prompts[0], ref.tokens[0][:max_tokens]
+    verdicts: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
+    bad: list[dict[str, Any]] = []
+    shape = _prefill(p_url, prompt)  # a real answer of P's: the keys and the token's length
+    good = shape[PARAMS_KEY]
+    mark_d = st.fixed_dictionaries({"do_remote_prefill": st.just(True)})
+    mark_p = st.fixed_dictionaries({"do_remote_decode": st.just(True)})
+
+    def check(role: str, url: str, params: dict[str, Any]) -> None:
+        status, answer = _complete(url, prompt, max_tokens, params)
+        verdict = _verdict(status, answer, want)
+        key = verdict if verdict in ("same", "refused") else "bad"
+        verdicts[role][key] = verdicts[role].get(key, 0) + 1
+        if key == "bad":
+            bad.append({"role": role, "params": params, "verdict": verdict})
+        assert key != "bad", (role, params, verdict)
+
+    fuzz = settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+    @fuzz
+    @given(mark=mark_d, drawn=transfer_params(good, INVALID_INT))
+    def to_decode(mark: dict[str, Any], drawn: dict[str, Any]) -> None:
+        # Around P's parameters for a request it held: whole, the first loads it (and P's
+        # hold ends), every later one is told at once that it ended; broken, D computes.
+        check("decode", d_url, {**mark, **drawn})
+
+    @settings(fuzz, max_examples=max(1, examples // 3))
+    @given(mark=mark_p, drawn=transfer_params(good, INVALID_INT))
+    def to_prefill(mark: dict[str, Any], drawn: dict[str, Any]) -> None:
+        check("prefill", p_url, {**mark, **drawn})
+
+    failure: str | None = None
+    try:
+        to_decode()
+        to_prefill()
+    except AssertionError as err:
+        failure = str(err)[:2000]
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        health = {role: http.get(urls[role] + "/health").status_code for role in verdicts}
+    after = _complete(d_url, prompt, max_tokens, None)
+    usage: dict[str, float] = {}
+
+    def free() -> bool:
+        usage.update({role: scrape(urls[role]).get(USAGE, -1.0) for role in verdicts})
+        return all(u == 0.0 for u in usage.values())
+
+    try:
+        settled: float | None = wait_for("every KV block free after the fuzz", free, settle_s)
+    except ServeError:
+        settled = None
+    return {
+        "verdicts": verdicts,
+        "bad": bad,
+        "failure": failure,
+        "health": health,
+        "after": _verdict(*after, want),
+        "usage": usage,
+        "settled_s": settled,
+    }
+
+
+def queue_past_claim(
+    urls: dict[str, str], ref: Reference, max_tokens: int, claim_s: float, occupiers: int = 32
+) -> dict[str, Any]:
+    """D saturated by ``occupiers`` long streamed requests (its running slots full, the rest
+    queued), then P prefills prompt 0 and D gets it with P's parameters: it queues behind them.
+    Once P's hold lapsed unclaimed (P's ``unclaimed_holds`` counter), the long requests are
+    cancelled (their clients leave: vLLM aborts them) and D schedules prompt 0.
+
+    Returns D's answer (``verdict``: ``same`` when it is the single instance's), how the
+    counters moved (P's unclaimed holds, D's failed loads), how long D took from the
+    cancellation to its answer, and whether D's log should name P's reason (the caller reads
+    it). Raises ``ServeError`` when D drained its queue before P's hold lapsed (the case was not
+    made) or a wait ran past its bound.
+    """
+    import httpx
+
+    p_url, d_url = urls["prefill"], urls["decode"]
+    prompt, want = ref.prompts[0], ref.tokens[0][:max_tokens]
+    p0, d0 = scrape(p_url), scrape(d_url)
+    stop = threading.Event()
+    long_prompt = [7 + i % 300 for i in range(16)]
+
+    def occupy(i: int) -> int:
+        body = {
+            "model": SERVED_NAME,
+            "prompt": [*long_prompt[:-1], i],
+            "max_tokens": 1000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        chunks = 0
+        with (
+            httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as http,
+            http.stream("POST", d_url + "/v1/completions", json=body) as reply,
+        ):
+            for _ in reply.iter_lines():
+                chunks += 1
+                if stop.is_set():
+                    break  # leaving the stream: vLLM aborts the request
+        return chunks
+
+    with ThreadPoolExecutor(occupiers + 1) as pool:
+        busy = [pool.submit(occupy, i) for i in range(occupiers)]
+        try:
+            wait_for(
+                "D saturated (running slots full, requests queued)",
+                lambda: (m := scrape(d_url)).get(WAITING, 0) >= 1 and m.get(RUNNING, 0) >= 1,
+                60,
+            )
+            params = _prefill(p_url, prompt)
+            answer = pool.submit(_complete, d_url, prompt, max_tokens, params)
+            wait_for(
+                "P's hold of the queued request lapsed",
+                lambda: (
+                    scrape(p_url).get(UNCLAIMED, 0) > p0.get(UNCLAIMED, 0)
+                    or answer.done()
+                    or all(b.done() for b in busy)
+                ),
+                claim_s + 60,
+            )
+            if answer.done() or all(b.done() for b in busy):
+                raise ServeError(
+                    "D scheduled the request before P's hold lapsed: not saturated long enough"
+                )
+        finally:
+            stop.set()
+            cancelled_at = time.perf_counter()
+        status, body = answer.result(timeout=REQUEST_TIMEOUT_S)
+        answered_s = time.perf_counter() - cancelled_at
+        for b in busy:
+            b.result(timeout=REQUEST_TIMEOUT_S)
+    p1, d1 = scrape(p_url), scrape(d_url)
+    return {
+        "verdict": _verdict(status, body, want),
+        "unclaimed": p1.get(UNCLAIMED, 0) - p0.get(UNCLAIMED, 0),
+        "d_failed_loads": d1.get(FAILURES, 0) - d0.get(FAILURES, 0),
+        "answered_after_cancel_s": answered_s,
+    }
