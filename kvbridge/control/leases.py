@@ -334,9 +334,12 @@ class Leases:
                 self._notices.pop(key).close()
             forget_expired(self._withdrawn, now, lambda until: until)
             forget_expired(self._push_results, now, lambda result: result[1])
-        for rid in expired:
-            stats = RequestStats(lease_expired=True, unclaimed=rid in unclaimed)
-            self._free(rid, False, reasons[rid], stats)
+            # Freed under the lock that found them expired: a D rank's claim or push that comes
+            # meanwhile either extended the lease before (then it is not expired) or finds it
+            # ended (``hold_ended``), never a lease about to be freed under a starting push.
+            for rid in expired:
+                stats = RequestStats(lease_expired=True, unclaimed=rid in unclaimed)
+                self._free(rid, False, reasons[rid], stats)
         for key in orphans:
             self._end_stream(key, "prefill never published the request it streamed")
 
