@@ -11,6 +11,11 @@ Engine facts this module is built around (measured with mooncake-transfer-engine
 * The first transfer to a peer performs a handshake under an engine-wide lock; a peer that is
   frozen at that moment blocks it for about 60 s, stalling every other peer. ``send_probe`` blocks
   as long but without that lock, so a peer is probed before its first transfer.
+* A session that makes no progress (no status frame, ``MC_TCP_STATUS_TIMEOUT_SEC``; no payload,
+  ``MC_TCP_PROGRESS_TIMEOUT_SEC``, a sliding window) is dropped by the engine after 30 s by default:
+  its connection closed, its task failed. Both are read from the environment each time a session
+  arms them. Until then the task is not terminal, so a batch that stalled holds its fence that
+  long after kvbridge's own deadline; ``bound_stalls`` lowers both to ``stall_bound(timeout)``.
 * One peer accepts about 2048 descriptors in flight (TCP lane queue plus pending admissions);
   more is refused ("TCP lane queue-full") and the lane keeps refusing until it drains.
 * The TCP transport does not check that local addresses are registered, and it does not support
@@ -45,6 +50,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import math
 import os
 import threading
 from typing import Annotated, Any, ClassVar
@@ -95,6 +101,53 @@ _GLOBAL_CONFIG = "_ZN8mooncake12globalConfigEv"
 _LOAD_GLOBAL_CONFIG = "_ZN8mooncake16loadGlobalConfigERNS_12GlobalConfigE"
 _CONFIG_LOCK = threading.Lock()
 _ENGINE_ERRORS = {-7: "the range overlaps one already registered (Mooncake forbids overlaps)"}
+#: Seconds without progress after which the engine drops a TCP session (default 30 each), read
+#: from the environment whenever a session arms them (checked in 0.3.13.post1: a value set after
+#: the engine started applied to its next transfer), hence process-wide
+STALL_ENV = ("MC_TCP_STATUS_TIMEOUT_SEC", "MC_TCP_PROGRESS_TIMEOUT_SEC")
+_ENGINE_STALL_S = 30
+#: the lowest bound kvbridge sets: a peer stalled that briefly (a burst of CPU contention, a test
+#: freezing it) should not cost a session, in this process or in another transport of it
+_MIN_STALL_S = 5
+_STALL_LOCK = threading.Lock()
+_stall_set: int | None = None  # the value kvbridge last put in STALL_ENV in this process
+
+
+def stall_bound(timeout: float) -> int:
+    """Seconds of no progress after which a session is dropped, for a transport ``timeout``.
+
+    Half the timeout, 5 s to 30 s (the engine's default): a session stalled from the start is
+    dropped in time for the failed chunk's retry to run within the batch's deadline (10 s: at
+    5 s), and a batch past its deadline holds its fence about this long more per round of
+    sessions the engine still holds (was: 30 s a round whatever kvbridge's timeout; issue 45).
+    """
+    return max(_MIN_STALL_S, min(_ENGINE_STALL_S, math.ceil(timeout / 2)))
+
+
+def bound_stalls(timeout: float) -> None:
+    """Set ``STALL_ENV`` to ``stall_bound(timeout)`` (the smallest any transport of this process
+    asked for); a value the user set wins, with a log line. The engine reads them per session, so
+    they stay set: changed only when a transport starts, before it moves anything."""
+    global _stall_set
+    want = stall_bound(timeout)
+    with _STALL_LOCK:
+        if _stall_set is not None:
+            want = min(want, _stall_set)
+        for name in STALL_ENV:
+            theirs = os.environ.get(name)
+            if theirs is not None and (_stall_set is None or theirs != str(_stall_set)):
+                log.info(
+                    "kvbridge mooncake: %s=%s set by the user wins over the %d s kvbridge "
+                    "derived from its timeout",
+                    name,
+                    theirs,
+                    want,
+                )
+            elif theirs != str(want):
+                os.environ[name] = str(want)
+        _stall_set = want
+
+
 #: Read by the engine at ``initialize``: "1" registers GPU memory through nvidia-peermem, "0"
 #: through DMA-BUF (the only way for memory the driver maps, which nvidia-peermem cannot pin)
 PEERMEM_ENV = "WITH_NVIDIA_PEERMEM"
@@ -174,7 +227,8 @@ class MooncakeTransport(Transport):
         retries: times a failed chunk is submitted again before its batch fails (only while
             the batch's deadline has not passed; reads and writes are idempotent).
         timeout: seconds a batch may take from ``submit``; past it the batch fails, and the
-            engine keeps what it already moves until it ends (``fence`` tells when).
+            engine keeps what it already moves until it ends (``fence`` tells when). Also sets
+            the engine's no-progress limits (``STALL_ENV``, process-wide) to ``stall_bound``.
     """
 
     name: ClassVar[str] = "mooncake"
@@ -223,6 +277,7 @@ class MooncakeTransport(Transport):
                 f"max_in_flight ({max_in_flight}) must be at least max_batch ({max_batch})"
             )
         engine_cls = self._load_engine()
+        bound_stalls(self.timeout)
         self.protocol = protocol
         self._session = hostname
         self._status = batch_status.load(importlib.import_module(engine_cls.__module__))
