@@ -219,11 +219,12 @@ def test_a_mistyped_environment_variable_stops_the_connector(
     ktc = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_both", engine_id="e")
     with pytest.raises(ValueError) as err:
         KVBridgeConnector.get_required_kvcache_layout(VllmConfig(kv_transfer_config=ktc))
-    assert str(err.value) == (
+    # vLLM 0.34 asks while it builds its config (kv_cache_access): pydantic's report holds it
+    assert (
         f"kvbridge: environment variable {variable} is not one kvbridge reads (did you mean "
         f"{meant}?); rename or unset it (kvbridge reads KVBRIDGE_HOST, KVBRIDGE_LOG_LEVEL, "
         "KVBRIDGE_PORT, KVBRIDGE_SECRET, KVBRIDGE_SECRET_FILE)"
-    )
+    ) in str(err.value)
     assert SECRET not in str(err.value)
 
 
@@ -248,7 +249,8 @@ def test_the_connector_refuses_a_bad_option_when_vllm_starts_it() -> None:
         engine_id="e",
         kv_connector_extra_config={"transport": "mooncake", "timeout": "ten"},
     )
-    with pytest.raises(ValueError, match=r"^kvbridge option timeout='ten': expected "):
+    # vLLM 0.34 asks while it builds its config (kv_cache_access): pydantic's report holds it
+    with pytest.raises(ValueError, match=r"(^|, )kvbridge option timeout='ten': expected "):
         KVBridgeConnector.get_required_kvcache_layout(VllmConfig(kv_transfer_config=ktc))
 
 

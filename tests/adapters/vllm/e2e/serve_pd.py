@@ -591,7 +591,7 @@ def run_serve(
     then, with P's holds bounded (``FLOOD_HOLDS``), that many unclaimed prefills sent to P
     directly (``flood_prefill``; the summary's ``flood``). ``fuzz``: that many generated
     ``kv_transfer_params`` sent to D (a third as many to P), ``serve_stress.fuzz_params``;
-    ``queue_past_claim``: a request that waits in a saturated D past P's claim timeout,
+    ``queue_past_claim``: a request that waits in D (engine stopped) past P's claim timeout,
     ``serve_stress.queue_past_claim`` (the summary's ``fuzz`` and ``queue``).
     """
 

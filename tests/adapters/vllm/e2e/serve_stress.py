@@ -4,17 +4,20 @@ HTTP ports could (issue 45), each returning what it saw for the tests to check:
 - ``fuzz_params``: generated ``kv_transfer_params`` (``tests.adapters.vllm.kv_params_strategies``)
   through vLLM's own API server: both engines stay up, every answer is the single instance's or
   a 4xx, and afterwards neither engine holds a KV block.
-- ``queue_past_claim``: D saturated, so that a request P prefilled waits in D's queue until P's
-  hold of it lapsed unclaimed: D answers as the single instance (it computes the prompt, told
-  at once by P), never from released blocks.
+- ``queue_past_claim``: a request P prefilled waits in D (its engine stopped: too busy to
+  schedule it) until P's hold of it lapsed unclaimed: D answers as the single instance (it
+  computes the prompt, told at once by P), never from released blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from tests.adapters.vllm.e2e.run_pd import Reference
@@ -26,20 +29,7 @@ from tests.adapters.vllm.e2e.serve_pd import (
     ServeError,
     scrape,
 )
-
-USAGE = "vllm:kv_cache_usage_perc"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-
-
-def wait_for(what: str, check: Any, timeout: float, every: float = 0.2) -> float:
-    """Seconds until ``check()`` is true; raises ``ServeError`` naming ``what`` after ``timeout``."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if check():
-            return time.perf_counter() - t0
-        time.sleep(every)
-    raise ServeError(f"{what}: not within {timeout:.0f} s")
+from tests.adapters.vllm.e2e.serve_xpyd import USAGE, wait_for
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int, params: Any) -> tuple[int, Any]:
@@ -171,82 +161,74 @@ def fuzz_params(
     }
 
 
+def _api_server(port: int) -> int:
+    """The pid of the vLLM API server listening on ``port`` (its command line names it)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            args = cmdline.read_bytes().split(b"\0")
+            if b"vllm.entrypoints.openai.api_server" in args and str(port).encode() in args:
+                return int(cmdline.parent.name)
+    raise ServeError(f"no vLLM API server on port {port}")
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (its engine core and the workers)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        below = [pid for pid, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
 def queue_past_claim(
-    urls: dict[str, str], ref: Reference, max_tokens: int, claim_s: float, occupiers: int = 32
+    urls: dict[str, str], ref: Reference, max_tokens: int, claim_s: float
 ) -> dict[str, Any]:
-    """D saturated by ``occupiers`` long streamed requests (its running slots full, the rest
-    queued), then P prefills prompt 0 and D gets it with P's parameters: it queues behind them.
-    Once P's hold lapsed unclaimed (P's ``unclaimed_holds`` counter), the long requests are
-    cancelled (their clients leave: vLLM aborts them) and D schedules prompt 0.
+    """A request that waits in D past P's claim timeout: P prefills prompt 0, D's API server
+    takes it with P's parameters while D's engine core and workers are stopped (SIGSTOP: the
+    state of a D too busy to schedule it, made certain, as ``serve_xpyd.disconnect`` does), and
+    D resumes 3 s after P's hold lapsed. D's scheduler then sees the request for the first time.
 
     Returns D's answer (``verdict``: ``same`` when it is the single instance's), how the
-    counters moved (P's unclaimed holds, D's failed loads), how long D took from the
-    cancellation to its answer, and whether D's log should name P's reason (the caller reads
-    it). Raises ``ServeError`` when D drained its queue before P's hold lapsed (the case was not
-    made) or a wait ran past its bound.
+    counters moved (D's failed loads; P's unclaimed holds, which may lag: P reports them when
+    its engine steps) and how long D took from resuming to its answer.
     """
-    import httpx
+    from urllib.parse import urlparse
 
     p_url, d_url = urls["prefill"], urls["decode"]
     prompt, want = ref.prompts[0], ref.tokens[0][:max_tokens]
     p0, d0 = scrape(p_url), scrape(d_url)
-    stop = threading.Event()
-    long_prompt = [7 + i % 300 for i in range(16)]
-
-    def occupy(i: int) -> int:
-        body = {
-            "model": SERVED_NAME,
-            "prompt": [*long_prompt[:-1], i],
-            "max_tokens": 1000,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        chunks = 0
-        with (
-            httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as http,
-            http.stream("POST", d_url + "/v1/completions", json=body) as reply,
-        ):
-            for _ in reply.iter_lines():
-                chunks += 1
-                if stop.is_set():
-                    break  # leaving the stream: vLLM aborts the request
-        return chunks
-
-    with ThreadPoolExecutor(occupiers + 1) as pool:
-        busy = [pool.submit(occupy, i) for i in range(occupiers)]
+    port = urlparse(d_url).port
+    assert port is not None
+    engine = _descendants(_api_server(port))
+    if not engine:
+        raise ServeError("D's engine processes not found")
+    with ThreadPoolExecutor(1) as pool:
+        params = _prefill(p_url, prompt)
+        published = time.perf_counter()
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
         try:
-            wait_for(
-                "D saturated (running slots full, requests queued)",
-                lambda: (m := scrape(d_url)).get(WAITING, 0) >= 1 and m.get(RUNNING, 0) >= 1,
-                60,
-            )
-            params = _prefill(p_url, prompt)
             answer = pool.submit(_complete, d_url, prompt, max_tokens, params)
-            wait_for(
-                "P's hold of the queued request lapsed",
-                lambda: (
-                    scrape(p_url).get(UNCLAIMED, 0) > p0.get(UNCLAIMED, 0)
-                    or answer.done()
-                    or all(b.done() for b in busy)
-                ),
-                claim_s + 60,
-            )
-            if answer.done() or all(b.done() for b in busy):
-                raise ServeError(
-                    "D scheduled the request before P's hold lapsed: not saturated long enough"
-                )
+            time.sleep(max(0.0, claim_s + 3 - (time.perf_counter() - published)))
+            early = answer.done()
         finally:
-            stop.set()
-            cancelled_at = time.perf_counter()
+            for pid in engine:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        resumed = time.perf_counter()
+        if early:
+            raise ServeError(f"D answered while its engine was stopped: {answer.result()}")
         status, body = answer.result(timeout=REQUEST_TIMEOUT_S)
-        answered_s = time.perf_counter() - cancelled_at
-        for b in busy:
-            b.result(timeout=REQUEST_TIMEOUT_S)
+        answered_s = time.perf_counter() - resumed
     p1, d1 = scrape(p_url), scrape(d_url)
     return {
         "verdict": _verdict(status, body, want),
         "unclaimed": p1.get(UNCLAIMED, 0) - p0.get(UNCLAIMED, 0),
         "d_failed_loads": d1.get(FAILURES, 0) - d0.get(FAILURES, 0),
-        "answered_after_cancel_s": answered_s,
+        "answered_after_resume_s": answered_s,
     }

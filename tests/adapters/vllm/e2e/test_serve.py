@@ -102,15 +102,16 @@ def check_fuzz(fuzz: dict[str, Any], examples: int) -> None:
 
 
 def check_queue(queue: dict[str, Any], decode_log: Path) -> None:
-    """A request that waited in a saturated D past P's claim timeout (issue 45): answered as the
-    single instance, D's load failed (P had freed the blocks: nothing was read from them), on
+    """A request that waited in D (its engine stopped: too busy) past P's claim timeout (issue
+    45): answered as the single instance, D's load failed (P had freed the blocks: nothing was read from them), on
     P's word at once rather than at D's own bound."""
     assert queue["verdict"] == "same", queue
-    assert queue["unclaimed"] >= 1 and queue["d_failed_loads"] >= 1, queue
+    assert queue["d_failed_loads"] >= 1, queue
+    # P's word, in D's log: the hold had lapsed unclaimed when D's claim came
     said = decode_log.read_text(errors="replace")
     assert "prefill no longer holds request" in said and "no decode claimed it" in said, queue
-    print(f"queued past the claim timeout: answered {queue['answered_after_cancel_s']:.2f} s "
-          "after D's queue cleared")  # fmt: skip
+    print(f"queued past the claim timeout: answered {queue['answered_after_resume_s']:.2f} s "
+          "after D resumed")  # fmt: skip
 
 
 def check_flood(flood: dict[str, Any]) -> None:
