@@ -174,9 +174,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         from kvbridge.adapters.vllm.preflight import check_vllm_config
         from kvbridge.core.registry import load_transport_class
 
-        check_vllm_config(kv_transfer_config)
-        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
-        options = Options.from_extra(extra, cls.default_transport)
+        options = check_vllm_config(kv_transfer_config)
+        if options is None:  # loaded under a name of its own (``kv_connector_module_path``)
+            extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+            options = Options.from_extra(extra, cls.default_transport)
         return kv_cache_access(load_transport_class(options.transport).memory_access)
 
     @classmethod
@@ -186,12 +187,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         ``kv_cache_access`` on 0.34. The answer stays the base class's (False)."""
         from types import SimpleNamespace
 
-        from kvbridge.adapters.vllm.plugin import CONNECTOR_NAME
+        from kvbridge.adapters.vllm.plugin import connector_name
         from kvbridge.adapters.vllm.preflight import check_vllm_config
 
-        suffix = "" if cls.default_transport is None else f"-{cls.default_transport}"
         config = SimpleNamespace(
-            kv_connector=CONNECTOR_NAME + suffix, kv_connector_extra_config=extra_config
+            kv_connector=connector_name(cls.default_transport),
+            kv_connector_extra_config=extra_config,
         )
         check_vllm_config(config)
         return False

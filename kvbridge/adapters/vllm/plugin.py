@@ -84,6 +84,20 @@ def configure_logging() -> None:
     logger.setLevel(level)
 
 
+def connector_name(transport: str | None) -> str:
+    """The connector name vLLM knows for ``transport`` fixed (``None``: the generic one)."""
+    return CONNECTOR_NAME if transport is None else f"{CONNECTOR_NAME}-{transport}"
+
+
+def connector_transport(connector: str) -> tuple[bool, str | None]:
+    """Whether ``connector`` is kvbridge's, and the transport its name fixes (``None``: the
+    generic ``KVBridgeConnector``, whose options choose it); ``connector_name`` reversed."""
+    if connector == CONNECTOR_NAME:
+        return True, None
+    prefix = connector_name("")
+    return (True, connector[len(prefix) :]) if connector.startswith(prefix) else (False, None)
+
+
 def connector_names() -> dict[str, str | None]:
     """Connector name → fixed transport (None: chosen by ``kv_connector_extra_config``)."""
     from importlib.metadata import entry_points
@@ -92,7 +106,7 @@ def connector_names() -> dict[str, str | None]:
     # plugin load would cost seconds; the chosen one is imported when a worker starts.
     names: dict[str, str | None] = {CONNECTOR_NAME: None}
     for ep in sorted(entry_points(group="kvbridge.transports"), key=lambda e: e.name):
-        names[f"{CONNECTOR_NAME}-{ep.name}"] = ep.name
+        names[connector_name(ep.name)] = ep.name
     return names
 
 

@@ -30,17 +30,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvbridge.adapters.vllm.options import Options
-from kvbridge.adapters.vllm.plugin import CONNECTOR_NAME
+from kvbridge.adapters.vllm.plugin import connector_transport
 from kvbridge.core.errors import TransportError
-
-
-def connector_transport(connector: str) -> tuple[bool, str | None]:
-    """Whether ``connector`` is kvbridge's, and the transport its name fixes (``None``: the
-    generic ``KVBridgeConnector``, whose options choose it)."""
-    if connector == CONNECTOR_NAME:
-        return True, None
-    prefix = f"{CONNECTOR_NAME}-"
-    return (True, connector[len(prefix) :]) if connector.startswith(prefix) else (False, None)
 
 
 def preflight(kv_transfer_config: Mapping[str, Any]) -> Options | None:
@@ -60,8 +51,9 @@ def preflight(kv_transfer_config: Mapping[str, Any]) -> Options | None:
     return options
 
 
-#: configurations ``check_vllm_config`` passed (vLLM asks more than once per process)
-_PASSED: set[str] = set()
+#: configurations ``check_vllm_config`` passed, with their options (vLLM asks more than once
+#: per process)
+_PASSED: dict[str, Options | None] = {}
 
 
 def _vllm_command_line() -> bool:
@@ -73,8 +65,9 @@ def _vllm_command_line() -> bool:
     return main.startswith("vllm.entrypoints") or os.path.basename(sys.argv[0]) == "vllm"
 
 
-def check_vllm_config(kv_transfer_config: Any) -> None:
-    """``preflight`` of vLLM's ``KVTransferConfig``, from inside vLLM's config validation.
+def check_vllm_config(kv_transfer_config: Any) -> Options | None:
+    """``preflight`` of vLLM's ``KVTransferConfig``, from inside vLLM's config validation: the
+    options (``None`` for another connector).
 
     On vLLM's command line a wrong setting prints ``kvbridge: <what is wrong>`` and exits 2:
     any exception raised there would reach the user inside pydantic's report and a traceback.
@@ -86,16 +79,17 @@ def check_vllm_config(kv_transfer_config: Any) -> None:
     }
     key = json.dumps(config, sort_keys=True, default=repr)
     if key in _PASSED:
-        return
+        return _PASSED[key]
     try:
-        preflight(config)
+        options = preflight(config)
     except (ValueError, TransportError) as err:
         line = str(err) if str(err).startswith("kvbridge") else f"kvbridge: {err}"
         if _vllm_command_line():
             print(line, file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         raise ValueError(line) from None
-    _PASSED.add(key)
+    _PASSED[key] = options
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:

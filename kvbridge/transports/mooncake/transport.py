@@ -111,6 +111,7 @@ _ENGINE_STALL_S = 30
 _MIN_STALL_S = 5
 _STALL_LOCK = threading.Lock()
 _stall_set: int | None = None  # the value kvbridge last put in STALL_ENV in this process
+_users_stall: dict[str, str] = {}  # STALL_ENV as the user set it, read by the first transport
 
 
 def stall_bound(timeout: float) -> int:
@@ -126,16 +127,15 @@ def stall_bound(timeout: float) -> int:
 
 def bound_stalls(timeout: float) -> None:
     """Set ``STALL_ENV`` to ``stall_bound(timeout)`` (the smallest any transport of this process
-    asked for); a value the user set wins, with a log line. The engine reads them per session, so
-    they stay set: changed only when a transport starts, before it moves anything."""
-    global _stall_set
-    want = stall_bound(timeout)
+    asked for); a value the user set before the first transport wins, with a log line. The
+    engine reads them per session, so they stay set: changed only when a transport starts,
+    before it moves anything."""
+    global _stall_set, _users_stall
     with _STALL_LOCK:
-        if _stall_set is not None:
-            want = min(want, _stall_set)
-        for name in STALL_ENV:
-            theirs = os.environ.get(name)
-            if theirs is not None and (_stall_set is None or theirs != str(_stall_set)):
+        if _stall_set is None:
+            _users_stall = {name: os.environ[name] for name in STALL_ENV if name in os.environ}
+            want = stall_bound(timeout)
+            for name, theirs in _users_stall.items():
                 log.info(
                     "kvbridge mooncake: %s=%s set by the user wins over the %d s kvbridge "
                     "derived from its timeout",
@@ -143,7 +143,10 @@ def bound_stalls(timeout: float) -> None:
                     theirs,
                     want,
                 )
-            elif theirs != str(want):
+        else:
+            want = min(stall_bound(timeout), _stall_set)
+        for name in STALL_ENV:
+            if name not in _users_stall:
                 os.environ[name] = str(want)
         _stall_set = want
 

@@ -29,7 +29,7 @@ from tests.adapters.vllm.e2e.serve_pd import (
     ServeError,
     scrape,
 )
-from tests.adapters.vllm.e2e.serve_xpyd import USAGE, wait_for
+from tests.adapters.vllm.e2e.serve_xpyd import USAGE, descendants, wait_for
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int, params: Any) -> tuple[int, Any]:
@@ -171,20 +171,6 @@ def _api_server(port: int) -> int:
     raise ServeError(f"no vLLM API server on port {port}")
 
 
-def _descendants(root: int) -> list[int]:
-    """Every process below ``root`` (its engine core and the workers)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        below = [pid for pid, parent in parents.items() if parent in frontier]
-        found += below
-        frontier = below
-    return found
-
-
 def queue_past_claim(
     urls: dict[str, str], ref: Reference, max_tokens: int, claim_s: float
 ) -> dict[str, Any]:
@@ -204,7 +190,7 @@ def queue_past_claim(
     p0, d0 = scrape(p_url), scrape(d_url)
     port = urlparse(d_url).port
     assert port is not None
-    engine = _descendants(_api_server(port))
+    engine = descendants(_api_server(port))
     if not engine:
         raise ServeError("D's engine processes not found")
     with ThreadPoolExecutor(1) as pool:

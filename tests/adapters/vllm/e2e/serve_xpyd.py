@@ -299,16 +299,23 @@ def edge_cases(dep: Deployment, ref: Reference, max_tokens: int, log: Any) -> di
     return out
 
 
-def engine_processes(server: Server) -> list[int]:
-    """The server's processes but its API server (the group leader): the engine core and its
-    workers."""
-    pids = []
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` (a vLLM API server's engine core and its workers)."""
+    parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == server.proc.pid and int(stat.parent.name) != server.proc.pid:
-                pids.append(int(stat.parent.name))
-    return pids
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        below = [pid for pid, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def engine_processes(server: Server) -> list[int]:
+    """The server's processes but its API server: the engine core and its workers."""
+    return descendants(server.proc.pid)
 
 
 def disconnect(dep: Deployment, ref: Reference, log: Any) -> dict[str, Any]:
