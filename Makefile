@@ -93,7 +93,7 @@ docs-serve: $(STAMP)
 # of the unit suite's time is waits on engine processes, which the workers overlap.
 UNIT_WORKERS ?= 2
 unit: $(STAMP)
-	$(BIN)/pytest -q -m "not e2e" -n $(UNIT_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -m "not e2e" -n $(UNIT_WORKERS) --dist loadfile --durations=15
 
 # A venv over .venv's packages with one vLLM release's Python layer on top: $(call overlay,VENV,PKG)
 define overlay
@@ -133,7 +133,7 @@ test-vllm-latest: $(STAMP)
 
 # End-to-end runs on real vLLM engines (models x transports x modes, a served deployment): slow.
 test-e2e: $(STAMP)
-	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e
+	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e --durations=25
 
 # The site's end-to-end results page (docs/results/vllm-e2e.md) from the last test-e2e run.
 results-e2e: $(STAMP)

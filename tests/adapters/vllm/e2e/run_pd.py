@@ -80,6 +80,10 @@ class ModelCase:
     #: where a single instance also needs the recurrent state cached at that boundary (none on
     #: CPUs without AMX, where vLLM's attention block and the state's differ).
     d_hit_beyond_single: bool = False
+    #: Speculative decoding: tokens the draft proposes per step, the draft being the target's
+    #: own weights (vLLM's ``draft_model`` method), so nearly every proposal is accepted, and
+    #: only if the draft model's KV of the prompt is right: on D it must come from P (0: off).
+    self_draft_tokens: int = 0
 
     @property
     def tie(self) -> float:
@@ -134,6 +138,9 @@ CASES = {
             "llama_chunked", "llama", "float32", _LENGTHS, repeat=1,
             llm_options={"max_num_batched_tokens": CHUNK_TOKENS},
         ),
+        # Speculative decoding: a draft model (the target's own weights) whose layers sit in
+        # the target's KV cache group, so its KV moves from P with the target's.
+        ModelCase("llama_spec", "llama", "float32", _LENGTHS, repeat=1, self_draft_tokens=2),
         # xPyD behind the router (serve_xpyd): 32 prompts in flight, from one token to 600
         # (shorter than a block, across block boundaries), then its edge cases' prompts.
         ModelCase("llama_xpyd", "llama", "float32", _XPYD_LENGTHS, repeat=1),
@@ -174,6 +181,12 @@ def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, t
         kw["tensor_parallel_size"] = tp
     if kv_transfer is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
+    if case.self_draft_tokens:
+        kw["speculative_config"] = {
+            "method": "draft_model",
+            "model": model,
+            "num_speculative_tokens": case.self_draft_tokens,
+        }
     return LLM(
         model=model,
         tokenizer=model,
@@ -207,6 +220,7 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     streamed_before = _streamed_bytes(llm)
     landed_before = _landed_after(llm)
     parts_before = _streamed_parts(llm)
+    accepted_before = _metric(llm, ACCEPTED)
     t0 = time.perf_counter()
     rids = []
     for k, (ids, max_tokens, params, top2) in enumerate(requests):
@@ -244,9 +258,12 @@ def _generate_many(llm: Any, requests: list[tuple]) -> list[dict[str, Any]]:
     streamed = _streamed_bytes(llm) - streamed_before
     landed = [now - then for now, then in zip(_landed_after(llm), landed_before, strict=True)]
     parts = [now - then for now, then in zip(_streamed_parts(llm), parts_before, strict=True)]
+    accepted = _metric(llm, ACCEPTED) - accepted_before
     results = [_result(final[r], first.get(r), done[r], t0, hits, moved) for r in rids]
     for r in results:
         r["streamed_bytes"] = streamed
+        # the engine's, over every request of the call: draft tokens the target accepted
+        r["accepted"] = accepted
         # mean over the call's loads: from P's answer to the last byte landed
         r["landed_after_s"] = landed[0] / landed[1] if landed[1] else None
         # mean over the call's layer-wise loads: the prefill steps their bytes came in
@@ -283,6 +300,10 @@ def _result(
 def _metric(llm: Any, name: str) -> float:
     """One of the engine's Prometheus metrics, summed over its labels."""
     return float(sum(m.value for m in llm.get_metrics() if m.name == name))  # type: ignore[attr-defined]
+
+
+#: Draft tokens the target model accepted (speculative decoding), over the engine's life.
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
 
 def _kv_usage(llm: Any) -> float:
@@ -587,6 +608,8 @@ class Reference:
     logprob: list[list[float]]
     #: Tokens the single instance served from its own prefix cache for the repeated prompt.
     repeat_hit: int = 0
+    #: Per prompt: draft tokens the single instance accepted (speculative decoding).
+    accepted: list[float] = field(default_factory=list)
 
     def deviation(self, i: int, tokens: list[int], logprobs: list[float]) -> float:
         """The largest gap between D's log-probs and the single instance's for the same token,
@@ -647,6 +670,7 @@ def build_reference(case: ModelCase, root: Path, max_tokens: int = 32, tp: int =
         [o["gap"] for o in ref],
         [o["logprob"] for o in ref],
         ref[-1]["local_hit_tokens"],
+        [o["accepted"] for o in ref],
     )
 
 
@@ -811,6 +835,10 @@ def run_pair(
                     "d_streamed_bytes": dec["streamed_bytes"],
                     "d_streamed_parts": dec["streamed_parts"],
                     "d_landed_after_s": dec["landed_after_s"],
+                    # speculative decoding: D's drafter proposes as the single instance's
+                    # only over the same draft KV of the prompt (P's)
+                    "d_accepted": dec["accepted"],
+                    "ref_accepted": ref.accepted[i],
                 }
                 results.append(r)
                 log(
@@ -820,6 +848,12 @@ def run_pair(
                     f"{r['p_cached']}), D loaded {dec['loaded_bytes']:.0f} B"
                     f" ({dec['streamed_bytes']:.0f} B layer by layer, in"
                     f" {dec['streamed_parts']:g} parts)"
+                    + (
+                        f", drafts accepted {dec['accepted']:g} (single instance "
+                        f"{ref.accepted[i]:g})"
+                        if case.self_draft_tokens
+                        else ""
+                    )
                 )
                 if r["match"] != "exact":
                     log(f"    D:   {dec['token_ids']}\n    ref: {ref.tokens[i]}")

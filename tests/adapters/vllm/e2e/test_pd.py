@@ -159,3 +159,46 @@ def test_a_chunked_prefill_streams_each_chunk_and_matches(
         assert max(n for (m, _), n in want.items() if m == mode) >= 3, want
     assert parts == want, "the prefill steps each layer-wise load came in"
     assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
+
+
+def layers_moved(model: str, block: int, row: dict) -> float:
+    """How many layers' KV a load of ``row`` moved: its bytes over one float32 attention
+    layer's for the blocks D loaded (every block of P's prompt less D's own hit)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_block = 2 * block * config["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    blocks = -(-row["prompt_len"] // block) - (row["d_cached"] or 0) // block
+    return float(row["d_loaded_bytes"]) / (blocks * per_block)
+
+
+@pytest.mark.timeout(900)
+def test_speculative_decoding_moves_the_draft_models_kv(
+    reference: Callable[[str], Reference],
+) -> None:
+    """P and D run speculative decoding (vLLM's ``draft_model`` method, 2 tokens a step; the
+    draft is the target's own weights, so nearly every proposal is accepted): the draft
+    model's layers share the target's KV cache group, and their KV of the prompt moves from P
+    with the target's in every mode. D's tokens equal the single instance's (running the same
+    method), its drafter accepts exactly as many tokens as the single instance's per prompt
+    (a draft KV that did not come from P proposes other tokens), and every load moved twice
+    the target's layers."""
+    ref = reference("llama_spec")
+    summary = run_pair(
+        ref, "mooncake", modes=MODES, port_p=5785, port_d=5885, kill_check=False,
+        freeze_check=False,
+    )  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "pd-llama_spec-mooncake.json").write_text(json.dumps(summary, indent=1))
+    rows = summary["results"]
+    assert {r["mode"] for r in rows} == set(MODES)
+    bad = [(r["mode"], r["prompt"]) for r in rows if r["match"] != "exact"]
+    assert not bad, f"D's tokens differ from the single instance's: {bad}"
+    assert all(a > 0 for a in ref.accepted), f"the single instance accepted: {ref.accepted}"
+    accepted = [(r["mode"], r["prompt"], r["d_accepted"], r["ref_accepted"]) for r in rows]
+    assert all(d == single for _, _, d, single in accepted), accepted
+    config = json.loads((Path(ref.model) / "config.json").read_text())
+    block = ref.case.block_size or 0
+    moved = {(r["mode"], r["prompt"]): layers_moved(ref.model, block, r) for r in rows}
+    assert set(moved.values()) == {2.0 * config["num_hidden_layers"]}, moved
+    check_layerwise("llama", rows)
+    assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
