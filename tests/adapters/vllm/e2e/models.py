@@ -130,6 +130,29 @@ def build_llama(path: str | Path, *, seed: int = 1234, **overrides: Any) -> Path
     return out
 
 
+def build_eagle_head(path: str | Path, *, seed: int = 5, **overrides: Any) -> Path:
+    """Write an EAGLE-1 head for the tiny Llama into ``path``: a one-layer Llama config (vLLM
+    makes it ``EagleLlamaForCausalLM``), one decoder layer without its input norm and ``fc``
+    (2h -> h); the embedding and LM head are the target's. Random weights: vLLM runs it, few of
+    its proposals are accepted."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config(**{**overrides, "num_hidden_layers": 1})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    layer = {
+        name.removeprefix("model."): t
+        for name, t in _llama_weights(cfg, seed).items()
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name
+    }
+    h = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    layer["fc.weight"] = torch.randn(h, 2 * h, generator=gen) / (2 * h) ** 0.5
+    save_file({k: t.contiguous() for k, t in layer.items()}, str(out / "model.safetensors"))
+    return out
+
+
 def prompts(
     count: int = 4,
     *,

@@ -80,10 +80,11 @@ class ModelCase:
     #: where a single instance also needs the recurrent state cached at that boundary (none on
     #: CPUs without AMX, where vLLM's attention block and the state's differ).
     d_hit_beyond_single: bool = False
-    #: Speculative decoding: tokens the draft proposes per step, the draft being the target's
-    #: own weights (vLLM's ``draft_model`` method), so nearly every proposal is accepted, and
-    #: only if the draft model's KV of the prompt is right: on D it must come from P (0: off).
-    self_draft_tokens: int = 0
+    #: Speculative decoding (``SPEC_TOKENS`` a step), by vLLM's method: ``"draft_model"`` with
+    #: the target's own weights as the draft (nearly every proposal is accepted, and only over
+    #: the right draft KV of the prompt, which on D must come from P), or ``"eagle"`` with an
+    #: EAGLE-1 head of random weights (``models.build_eagle_head``; None: off).
+    speculative: str | None = None
 
     @property
     def tie(self) -> float:
@@ -94,6 +95,8 @@ class ModelCase:
         from tests.adapters.vllm.e2e import models
 
         path = root / self.arch
+        if self.speculative == "eagle" and not (eagle_head(path) / "config.json").exists():
+            models.build_eagle_head(eagle_head(path), torch_dtype=self.dtype)
         if (path / "config.json").exists():
             return path
         if self.arch == "llama":
@@ -111,6 +114,13 @@ class ModelCase:
         return [*ps, list(ps[self.repeat])]
 
 
+def eagle_head(model: str | Path) -> Path:
+    """Where ``ModelCase.build`` writes the EAGLE head of the model at ``model``."""
+    return Path(model).parent / f"{Path(model).name}-eagle"
+
+
+#: Draft tokens proposed per step in the speculative cases.
+SPEC_TOKENS = 2
 _LENGTHS = (45, 80, 130, 33, 64, 5)
 #: ``llama_chunked``'s prefill step: three chunks for the 130-token prompt, two for 80 and 64.
 CHUNK_TOKENS = 48
@@ -140,7 +150,8 @@ CASES = {
         ),
         # Speculative decoding: a draft model (the target's own weights) whose layers sit in
         # the target's KV cache group, so its KV moves from P with the target's.
-        ModelCase("llama_spec", "llama", "float32", _LENGTHS, repeat=1, self_draft_tokens=2),
+        ModelCase("llama_spec", "llama", "float32", _LENGTHS, repeat=1, speculative="draft_model"),
+        ModelCase("llama_eagle", "llama", "float32", _LENGTHS, repeat=1, speculative="eagle"),
         # xPyD behind the router (serve_xpyd): 32 prompts in flight, from one token to 600
         # (shorter than a block, across block boundaries), then its edge cases' prompts.
         ModelCase("llama_xpyd", "llama", "float32", _XPYD_LENGTHS, repeat=1),
@@ -181,11 +192,12 @@ def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, t
         kw["tensor_parallel_size"] = tp
     if kv_transfer is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
-    if case.self_draft_tokens:
+    if case.speculative is not None:
+        draft = model if case.speculative == "draft_model" else str(eagle_head(model))
         kw["speculative_config"] = {
-            "method": "draft_model",
-            "model": model,
-            "num_speculative_tokens": case.self_draft_tokens,
+            "method": case.speculative,
+            "model": draft,
+            "num_speculative_tokens": SPEC_TOKENS,
         }
     return LLM(
         model=model,
@@ -851,7 +863,7 @@ def run_pair(
                     + (
                         f", drafts accepted {dec['accepted']:g} (single instance "
                         f"{ref.accepted[i]:g})"
-                        if case.self_draft_tokens
+                        if case.speculative
                         else ""
                     )
                 )

@@ -171,34 +171,42 @@ def layers_moved(model: str, block: int, row: dict) -> float:
     return float(row["d_loaded_bytes"]) / (blocks * per_block)
 
 
+#: The speculative cases, and the attention layers their drafter adds to a target of ``n``
+#: layers (all in the target's KV cache group): a copy of the target, or one EAGLE layer.
+SPECULATIVE = {"llama_spec": lambda n: n, "llama_eagle": lambda n: 1}
+
+
 @pytest.mark.timeout(900)
-def test_speculative_decoding_moves_the_draft_models_kv(
-    reference: Callable[[str], Reference],
+@pytest.mark.parametrize("name", sorted(SPECULATIVE))
+def test_speculative_decoding_moves_the_drafters_kv(
+    name: str, reference: Callable[[str], Reference]
 ) -> None:
-    """P and D run speculative decoding (vLLM's ``draft_model`` method, 2 tokens a step; the
-    draft is the target's own weights, so nearly every proposal is accepted): the draft
-    model's layers share the target's KV cache group, and their KV of the prompt moves from P
-    with the target's in every mode. D's tokens equal the single instance's (running the same
-    method), its drafter accepts exactly as many tokens as the single instance's per prompt
-    (a draft KV that did not come from P proposes other tokens), and every load moved twice
-    the target's layers."""
-    ref = reference("llama_spec")
+    """P and D run speculative decoding (2 tokens a step): vLLM's ``draft_model`` method with
+    the target's own weights as the draft (nearly every proposal is accepted), and EAGLE with a
+    head of random weights. The drafter's layers share the target's KV cache group, and their
+    KV of the prompt moves from P with the target's in every mode. D's tokens equal the single
+    instance's (running the same method); D's drafter accepts exactly as many tokens per prompt
+    as the single instance's (a draft KV that did not come from P proposes other tokens); and
+    every load moved the target's layers and the drafter's."""
+    ref = reference(name)
+    offset = 2 * sorted(SPECULATIVE).index(name)
     summary = run_pair(
-        ref, "mooncake", modes=MODES, port_p=5785, port_d=5885, kill_check=False,
-        freeze_check=False,
+        ref, "mooncake", modes=MODES, port_p=5784 + offset, port_d=5884 + offset,
+        kill_check=False, freeze_check=False,
     )  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pd-llama_spec-mooncake.json").write_text(json.dumps(summary, indent=1))
+    (RESULTS / f"pd-{name}-mooncake.json").write_text(json.dumps(summary, indent=1))
     rows = summary["results"]
     assert {r["mode"] for r in rows} == set(MODES)
     bad = [(r["mode"], r["prompt"]) for r in rows if r["match"] != "exact"]
     assert not bad, f"D's tokens differ from the single instance's: {bad}"
-    assert all(a > 0 for a in ref.accepted), f"the single instance accepted: {ref.accepted}"
+    if ref.case.speculative == "draft_model":
+        assert all(a > 0 for a in ref.accepted), f"the single instance accepted {ref.accepted}"
     accepted = [(r["mode"], r["prompt"], r["d_accepted"], r["ref_accepted"]) for r in rows]
     assert all(d == single for _, _, d, single in accepted), accepted
-    config = json.loads((Path(ref.model) / "config.json").read_text())
+    target = json.loads((Path(ref.model) / "config.json").read_text())["num_hidden_layers"]
     block = ref.case.block_size or 0
     moved = {(r["mode"], r["prompt"]): layers_moved(ref.model, block, r) for r in rows}
-    assert set(moved.values()) == {2.0 * config["num_hidden_layers"]}, moved
+    assert set(moved.values()) == {float(target + SPECULATIVE[name](target))}, moved
     check_layerwise("llama", rows)
     assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
