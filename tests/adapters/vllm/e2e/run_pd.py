@@ -160,6 +160,12 @@ CASES = {
             "deepseek_mla", "deepseek_mla", "float32", _LENGTHS, repeat=1, block_size=16,
             llm_options={"attention_config": {"backend": "CPU_MLA"}}, prefix_cache=False,
         ),
+        # Speculative decoding on MLA: the target's own weights as the draft model.
+        ModelCase(
+            "deepseek_mla_spec", "deepseek_mla", "float32", _LENGTHS, repeat=1, block_size=16,
+            llm_options={"attention_config": {"backend": "CPU_MLA"}}, prefix_cache=False,
+            speculative="draft_model",
+        ),
         # The AMX MLA backend (bf16, prefix caching on): D's last-token forward rounds
         # differently from the single instance's prefill, so near ties may flip.
         ModelCase("deepseek_mla_bf16", "deepseek_mla", "bfloat16", _LENGTHS, repeat=1, bound=BF16_BOUND),
