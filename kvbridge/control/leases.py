@@ -492,7 +492,13 @@ class Leases:
             src_ids = lease.params.block_ids
         try:
             check = Verify(body.verify)
-            plan = plan_tp_pair(self._ctx.layout, remote.layout, src_ids, body.block_ids)
+            plan = plan_tp_pair(
+                self._ctx.layout,
+                remote.layout,
+                src_ids,
+                body.block_ids,
+                dst_first_token=body.first_token,
+            )
         except (ValueError, KvbridgeError) as err:
             raise MessageError("invalid", f"cannot digest {body.request_id!r}: {err}") from None
         if plan is None:
@@ -586,7 +592,9 @@ class Leases:
                 "withdrawn", f"request {rid!r} was aborted, withdrawn by prefill, or already pushed"
             )
         if isinstance(body, PushRequest):
-            body.block_ids = checked_ids(remote.layout, body.block_ids, "destination")
+            body.block_ids = checked_ids(
+                remote.layout, body.block_ids, "destination", body.first_token
+            )
             remote.connect_soon()  # P writes to this rank: connect meanwhile, off the push
         if lease is None:
             key = (rid, body.rank, body.token)

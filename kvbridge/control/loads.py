@@ -46,6 +46,7 @@ from kvbridge.control.requests import (
 )
 from kvbridge.control.streams import Part, Stream
 from kvbridge.control.transfers import RankPart, Transfers, pair_digest, plan_digest
+from kvbridge.core.block_mapping import CheckedBlockIds
 from kvbridge.core.errors import (
     ControlError,
     IntegrityError,
@@ -105,7 +106,7 @@ class _Pending:
     """D's view of a request being loaded, from every P rank it needs."""
 
     params: TransferParams
-    block_ids: BlockIds
+    block_ids: CheckedBlockIds
     deadline: float
     parts: dict[int, _Part] = field(default_factory=dict)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -142,18 +143,25 @@ class Loads:
         spec = ctx.layout.spec
         self._me = {"rank": spec.tp_rank, "tp_size": spec.tp_size}
 
-    def pull(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
+    def pull(
+        self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int = 0
+    ) -> None:
         """Start reading a request into these local blocks; the outcome comes later.
 
+        ``first_token``: the request's token at which these blocks start (the tokens D held
+        already), which groups of different block sizes pair by.
         ``params.layerwise`` (the concurrent dispatch: P computes the request now): D asks P to
         tell it each computed layer, reads it at once, and reads the rest once P published."""
-        pending = self._begin(params, block_ids)
+        pending = self._begin(params, block_ids, first_token)
         run = self._run_stream_request if params.layerwise else self._run_pull
         self._ctx.requests.submit(run, pending)
 
-    def push(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
-        """Ask P to write a request into these local blocks; the outcome comes later."""
-        pending = self._begin(params, block_ids)
+    def push(
+        self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int = 0
+    ) -> None:
+        """Ask P to write a request into these local blocks (starting at the request's token
+        ``first_token``); the outcome comes later."""
+        pending = self._begin(params, block_ids, first_token)
         self._ctx.requests.submit(self._run_push_request, pending)
 
     def abort(self, params: TransferParams, reason: str) -> None:
@@ -241,9 +249,11 @@ class Loads:
         spec = self._ctx.layout.spec
         return contact_ranks(spec.tp_rank, spec.tp_size, params.tp_size)
 
-    def _begin(self, params: TransferParams, block_ids: Mapping[int, Any]) -> _Pending:
+    def _begin(
+        self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int
+    ) -> _Pending:
         ctx = self._ctx
-        ids = checked_ids(ctx.layout, block_ids, "destination")
+        ids = checked_ids(ctx.layout, block_ids, "destination", first_token)
         contacts = self._contacts(params)
         with self._lock:
             if ctx.closed:
@@ -400,7 +410,12 @@ class Loads:
         start = time.monotonic()
         rid = pending.params.request_id
         ask = DigestRequest(
-            rid, pending.block_ids, ctx.verify.value, **self._me, token=pending.params.token
+            rid,
+            pending.block_ids,
+            ctx.verify.value,
+            pending.block_ids.first_token,
+            **self._me,
+            token=pending.params.token,
         )
         # P digests its side while D digests its own.
         asked = ctx.peer_waits.submit(
@@ -568,8 +583,9 @@ class Loads:
 
     def _ask_push(self, part: _Part) -> None:
         ctx, rid = self._ctx, part.params.request_id
+        ids = part.pending.block_ids
         ask = PushRequest(
-            rid, part.pending.block_ids, ctx.verify.value, **self._me, token=part.params.token
+            rid, ids, ctx.verify.value, ids.first_token, **self._me, token=part.params.token
         )
         try:
             with timed(part.pending.stats, "ask_s"):

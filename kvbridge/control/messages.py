@@ -14,6 +14,8 @@ import msgspec
 from kvbridge.core.errors import MessageError
 from kvbridge.core.layout import LayoutSpec
 
+#: 8: ``PushRequest.first_token``/``DigestRequest.first_token`` (P and D of different block
+#: sizes pair tokens: where D's blocks start).
 #: 7: ``LayersReady.first_blocks``/``total_blocks`` and ``TransferFigures.streamed_parts``
 #: (the chunks of a chunked prefill stream as they are computed).
 #: 6: ``StreamRequest`` and ``LayersReady`` (layer-wise pull).
@@ -21,13 +23,16 @@ from kvbridge.core.layout import LayoutSpec
 #: 4: ``TransferFigures.streamed_nbytes``, ``PushDone.source_block_ids`` (layer-wise push).
 #: 3: D's requests carry the request's capability ``token``; ``AuthRefused``. 2: ``PushDone``
 #: carries its figures as one ``TransferFigures``; 1: six fields of its own.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+#: The request's token at which D's blocks start (its local prefix hit): groups whose block
+#: sizes differ between P and D pair tokens from there (``plan_transfers``).
+FirstToken = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 #: The wire form of ``kvbridge.core.block_mapping.GroupBlockIds`` (block ids per group), bounded.
 BlockIds = dict[Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)], list[BlockId]]
 #: A count or a position in blocks, per group.
@@ -128,6 +133,7 @@ class PushRequest(FromDecodeRank, tag="push_request"):
     request_id: RequestId
     block_ids: BlockIds
     verify: Annotated[str, msgspec.Meta(max_length=16)] = "off"
+    first_token: FirstToken | None = None
 
 
 class TransferFigures(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -223,6 +229,7 @@ class DigestRequest(FromDecodeRank, tag="digest_request"):
     request_id: RequestId
     block_ids: BlockIds
     verify: Annotated[str, msgspec.Meta(max_length=16)]
+    first_token: FirstToken | None = None
 
 
 class Digest(Message, tag="digest"):

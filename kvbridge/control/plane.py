@@ -273,14 +273,21 @@ class ControlPlane:
         return self._prefill.leased
 
     # -- D side -----------------------------------------------------------------------------------
-    def pull(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
+    def pull(
+        self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int = 0
+    ) -> None:
         """Start reading a request into these local blocks; the outcome comes later.
-        ``params.layerwise``: while P computes it, each layer as P says it is computed."""
-        self._decode.pull(params, block_ids)
+        ``params.layerwise``: while P computes it, each layer as P says it is computed.
+        ``first_token``: the request's token at which these blocks start (the tokens this
+        engine held already), which P and D of different block sizes pair by."""
+        self._decode.pull(params, block_ids, first_token)
 
-    def push(self, params: TransferParams, block_ids: Mapping[int, Any]) -> None:
-        """Ask P to write a request into these local blocks; the outcome comes later."""
-        self._decode.push(params, block_ids)
+    def push(
+        self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int = 0
+    ) -> None:
+        """Ask P to write a request into these local blocks (from the request's token
+        ``first_token`` on); the outcome comes later."""
+        self._decode.push(params, block_ids, first_token)
 
     def abort(self, params: TransferParams, reason: str = "aborted by decode") -> None:
         """Give up a request, before or during its load; P is told so it frees the blocks at once.

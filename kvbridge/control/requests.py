@@ -242,11 +242,17 @@ def timed(stats: RequestStats, name: str) -> Iterator[None]:
         setattr(stats, name, time.monotonic() - start)
 
 
-def checked_ids(layout: Layout, block_ids: Mapping[int, Any], side: str) -> CheckedBlockIds:
+def checked_ids(
+    layout: Layout, block_ids: Mapping[int, Any], side: str, first_token: int | None = None
+) -> CheckedBlockIds:
     """``block_ids`` checked against ``layout``'s groups, or ``MessageError`` if it cannot hold
     them: plain ints per group (as messages carry them) with the checked arrays the planner
-    uses without checking them again."""
-    ids = CheckedBlockIds()
+    uses without checking them again. ``first_token``: where a destination's ids start in the
+    request's tokens (``CheckedBlockIds.first_token``); by default what ``block_ids`` says
+    when they were checked already."""
+    if first_token is None:
+        first_token = getattr(block_ids, "first_token", None)
+    ids = CheckedBlockIds(first_token)
     for group, values in block_ids.items():
         index = int(group)
         if index not in layout.groups:

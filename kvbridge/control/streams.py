@@ -35,7 +35,7 @@ from kvbridge.control.handshakes import RemoteEngine
 from kvbridge.control.messages import LayersReady
 from kvbridge.control.requests import RequestStats, checked_ids
 from kvbridge.control.transfers import Transfers
-from kvbridge.core.block_mapping import CheckedBlockIds
+from kvbridge.core.block_mapping import CheckedBlockIds, different_block_sizes
 from kvbridge.core.errors import KvbridgeError
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair
@@ -158,6 +158,10 @@ class Stream:
                 whole.append(g)
                 self._span[g] = (0, total, True)
                 continue
+            if different_block_sizes(src_layout.groups[g], dst_layout.groups[g]):
+                # A chunk's blocks pair with D's by token, not position: the group moves once
+                # P published it (``rest``), not chunk by chunk.
+                continue
             dst = list(dst_ids[g])
             offset = total - len(dst)  # D's ids pair with P's last ones
             lo = max(first, offset)
@@ -172,7 +176,11 @@ class Stream:
             return
         src_all: dict[int, Any] = {**src_ids.only(whole), **src_cut}
         dst_all: dict[int, Any] = {**_only(dst_ids, whole), **dst_cut}
-        self.plan = plan_tp_pair(src_layout, dst_layout, src_all, dst_all, by_layer=True)
+        # ``dst_all`` merges cut lists into a plain dict: where D's blocks start goes explicitly
+        first_token = getattr(dst_ids, "first_token", None)
+        self.plan = plan_tp_pair(
+            src_layout, dst_layout, src_all, dst_all, by_layer=True, dst_first_token=first_token
+        )
         self.parts += 1
 
     def _remember(self, g: int, first: int, ids: np.ndarray, total: int) -> bool:

@@ -145,14 +145,17 @@ class CheckedBlockIds(dict[int, list[int]]):
 
     As a mapping it holds each group's ids as given, as plain ints (what messages carry);
     ``checked`` holds the checked arrays, which travel on to the planner so that it does not
-    check them again. Do not change it: build another.
+    check them again. ``first_token``: the request's token at which a destination's ids start
+    (the tokens it held already), which groups of different block sizes pair by
+    (``plan_transfers``); ``None`` when not said. Do not change it: build another.
     """
 
-    __slots__ = ("checked",)
+    __slots__ = ("checked", "first_token")
 
-    def __init__(self) -> None:
+    def __init__(self, first_token: int | None = None) -> None:
         super().__init__()
         self.checked: dict[int, CheckedGroupIds] = {}
+        self.first_token = first_token
 
     def add(self, index: int, ids: CheckedGroupIds) -> None:
         self[index] = ids.given.tolist()
@@ -160,7 +163,7 @@ class CheckedBlockIds(dict[int, list[int]]):
 
     def only(self, indices: Iterable[int]) -> CheckedBlockIds:
         """The same checked ids for the groups ``indices`` alone."""
-        out = CheckedBlockIds()
+        out = CheckedBlockIds(self.first_token)
         for index in indices:
             out.add(index, self.checked[index])
         return out
@@ -234,6 +237,71 @@ def pair_block_ids(
             src_ids = _kept(src_group, s_all, "source")
     s = check_group_ids(src_group, src_ids, "source").kept
     return align_block_ids(s, d, index), d
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """The tokens two block lists of different block sizes share, which move unit by unit.
+
+    Source block list position ``i`` holds tokens ``[i*B_s, (i+1)*B_s)`` (P's list starts at
+    the request's first token); destination position ``j`` holds ``[first + j*B_d, ...)``
+    (``first``: the tokens D held already, its local prefix hit). Tokens ``[first, end)`` move.
+    """
+
+    first: int
+    end: int
+
+
+def different_block_sizes(src: CacheGroup, dst: CacheGroup) -> bool:
+    """Whether a paged group's logical blocks hold different token counts on the two sides
+    (then tokens pair, not blocks: ``pair_token_blocks``)."""
+    return src.kind.paged and src.block_size != dst.block_size
+
+
+def pair_token_blocks(
+    src_group: CacheGroup,
+    dst_group: CacheGroup,
+    src_ids: object,
+    dst_ids: object,
+    dst_first_token: int | None,
+) -> tuple[IdArray, IdArray, TokenSpan]:
+    """Both sides' ids of a paged group whose block sizes differ, and the tokens they share.
+
+    Blocks of different sizes cannot pair position by position, and the tail rule of equal
+    sizes (D's list is P's last blocks) has no meaning in tokens: the destination must say
+    which token its first block starts at (``dst_first_token``, a multiple of its block size).
+    The source must reach into the destination's last block. A sliding window is refused: its
+    clipped lists do not start at a token either side names.
+    """
+    index = dst_group.index
+    bs, bd = src_group.block_size, dst_group.block_size
+    sizes = f"block size: source={bs} destination={bd}"
+    if src_group.kind is GroupKind.SLIDING_WINDOW:
+        raise BlockIdError(
+            f"group {index} (sliding window), {sizes}: a sliding window moves only between "
+            "equal block sizes; configure the same --block-size on both sides"
+        )
+    if dst_first_token is None:
+        raise BlockIdError(
+            f"group {index}, {sizes}: between different block sizes the destination must say "
+            "at which token its blocks start (dst_first_token: the tokens it holds already)"
+        )
+    if dst_first_token < 0 or dst_first_token % bd:
+        raise BlockIdError(
+            f"group {index}, {sizes}: the destination's first token {dst_first_token} is not "
+            "at the start of one of its blocks"
+        )
+    s = check_group_ids(src_group, src_ids, "source").kept
+    d = check_group_ids(dst_group, dst_ids, "destination").kept
+    source_end, dest_end = s.size * bs, dst_first_token + d.size * bd
+    if d.size and source_end <= dest_end - bd:
+        raise BlockIdError(
+            f"group {index}, {sizes}: the source holds tokens [0, {source_end}) but the "
+            f"destination asks for [{dst_first_token}, {dest_end}); the prefill side did not "
+            "compute enough tokens for this request"
+        )
+    end = min(source_end, dest_end) if d.size else dst_first_token
+    return s, d, TokenSpan(dst_first_token, max(end, dst_first_token))
 
 
 def logical_to_kernel(ids: IdArray, ratio: int) -> IdArray:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvbridge.core.errors import LayoutMismatchError
-from kvbridge.core.groups import GroupKind
-from kvbridge.core.layout import Layout, Region, RegionKey
+from kvbridge.core.groups import CacheGroup, GroupKind
+from kvbridge.core.layout import Layout, Region, RegionKey, Shard
 from kvbridge.core.memo import PairMemo
 from kvbridge.core.transpose import (
     HEAD_MAJOR,
@@ -15,8 +15,9 @@ from kvbridge.core.transpose import (
 )
 
 
-def _bytes_per_block(region: Region, ratio: int) -> int:
-    return region.length * ratio
+def _bytes_per_unit(region: Region, group: CacheGroup) -> int:
+    """What a region holds per token (paged groups: block sizes may differ) or per state slot."""
+    return region.length // group.kernel_size if group.kind.paged else region.length
 
 
 #: A head-major block, ``[H,N,C]``, is its heads' ``[N,C]`` runs one after the other: a head of
@@ -48,12 +49,23 @@ def _heads_told(layout: Layout) -> bool:
 def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")) -> list[str]:
     """Every field that differs between two layouts in a way that forbids a transfer.
 
-    Kernel block sizes may differ (each side maps logical blocks with its own ratio); region
+    Block sizes, logical and kernel, may differ (blocks split into token units then); region
     order, addresses and strides may differ. What must agree is what a token's bytes mean.
     """
     planned = received_pair(a, b)
     if planned != (a, b):  # transposed on receive: what must agree is the pair as planned
-        return layout_differences(*planned, names)
+        sizes = [
+            f"group {i} block size: {names[0]}={a.groups[i].block_size}/"
+            f"{a.groups[i].kernel_size} {names[1]}={b.groups[i].block_size}/"
+            f"{b.groups[i].kernel_size} (logical/kernel), and the blocks are transposed on "
+            "receive (one side keeps each token's heads together), which works block by block: "
+            "use one block size on both sides, or head-major layouts on both"
+            for i in sorted(set(a.groups) & set(b.groups))
+            if (a.groups[i].block_size, a.groups[i].kernel_size)
+            != (b.groups[i].block_size, b.groups[i].kernel_size)
+            and a.groups[i].kind.paged
+        ]
+        return sizes + layout_differences(*planned, names)
     na, nb = names
     diffs: list[str] = []
 
@@ -66,7 +78,14 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
     # sits in a block: the unit planner (``kvbridge.core.tp``) moves slices; what must agree is
     # what a unit of each axis is.
     heads_only = heads_differ_only(a, b)
-    heterogeneous = heads_only or (a.spec.tp_size != b.spec.tp_size and _sharded(a) and _sharded(b))
+    # Kernel blocks of different sizes whose regions do not list tokens in order ([H, N, C])
+    # still move where every unit of them does (a head's [N, C]): the unit planner splits them
+    # head by head, then into tokens.
+    heterogeneous = (
+        heads_only
+        or (a.spec.tp_size != b.spec.tp_size and _sharded(a) and _sharded(b))
+        or (needs_unit_split(a, b) and _units_in_order(a) and _units_in_order(b))
+    )
     if heterogeneous:
         diffs.extend(_shard_differences(a, b, names))
     else:
@@ -102,8 +121,9 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
     for index in sorted(set(a.groups) & set(b.groups)):
         ga, gb = a.groups[index], b.groups[index]
         differ(f"group {index} kind", ga.kind.value, gb.kind.value)
-        differ(f"group {index} block_size", ga.block_size, gb.block_size)
         if GroupKind.SLIDING_WINDOW in (ga.kind, gb.kind):
+            # a window's clipped lists pair by block: only between equal block sizes
+            differ(f"group {index} block_size", ga.block_size, gb.block_size)
             differ(f"group {index} sliding_window", ga.sliding_window, gb.sliding_window)
         ra = {r.key: r for r in a.group_regions[index].regions}
         rb = {r.key: r for r in b.group_regions[index].regions}
@@ -115,11 +135,12 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
             )
         for key in sorted(set(ra) & set(rb)) if not heterogeneous else ():
             differ(
-                f"group {index} region {_fmt(key)} bytes per block",
-                _bytes_per_block(ra[key], ga.ratio),
-                _bytes_per_block(rb[key], gb.ratio),
+                f"group {index} region {_fmt(key)} bytes per "
+                + ("token" if ga.kind.paged else "state slot"),
+                _bytes_per_unit(ra[key], ga),
+                _bytes_per_unit(rb[key], gb),
             )
-        if ga.kind.paged and ga.kernel_size != gb.kernel_size:
+        if ga.kind.paged and ga.kernel_size != gb.kernel_size and not heterogeneous:
             # Different kernel blocks are split into token units: only right where every
             # region lists tokens in order.
             scattered = [
@@ -137,6 +158,36 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
     return diffs
 
 
+def shard_unit_bytes(unit_bytes: int, group: CacheGroup) -> int:
+    """A shard unit's size as two sides of different block sizes can compare it: per token in
+    paged groups (``Shard.unit_bytes`` counts a logical block), per slot in state groups."""
+    return unit_bytes // group.block_size if group.kind.paged else unit_bytes
+
+
+def needs_unit_split(a: Layout, b: Layout) -> bool:
+    """Whether a paged group's kernel block sizes differ while a tensor of it does not list
+    its tokens in order: its blocks can then only be split unit by unit (``kvbridge.core.tp``),
+    never into tokens whole."""
+    for index, ga in a.groups.items():
+        gb = b.groups.get(index)
+        if gb is None or not ga.kind.paged or ga.kernel_size == gb.kernel_size:
+            continue
+        tensors = (*a.spec.tensors, *b.spec.tensors)
+        if any(t.group_index == index and not t.token_major for t in tensors):
+            return True
+    return False
+
+
+def _units_in_order(layout: Layout) -> bool:
+    """Every paged tensor says which units it holds, each listing its tokens in order."""
+    paged = [t for t in layout.spec.tensors if layout.groups[t.group_index].kind.paged]
+    return bool(paged) and all(t.shards and all(s.token_major for s in t.shards) for t in paged)
+
+
+def _unit_shape(shard: Shard, group: CacheGroup) -> tuple[int, int]:
+    return shard_unit_bytes(shard.unit_bytes, group), shard.rows
+
+
 def _sharded(layout: Layout) -> bool:
     return bool(layout.spec.tensors) and all(t.shards for t in layout.spec.tensors)
 
@@ -150,11 +201,17 @@ def _shard_differences(a: Layout, b: Layout, names: tuple[str, str]) -> list[str
         other = tb.get((ta.layer_name, ta.tensor))
         if other is None:
             continue  # the region comparison names it
-        sa = {s.axis: (s.unit_bytes, s.rows) for s in ta.shards or ()}
-        sb = {s.axis: (s.unit_bytes, s.rows) for s in other.shards or ()}
+        ga, gb = a.groups.get(ta.group_index), b.groups.get(other.group_index)
+        if ga is None or gb is None:
+            continue  # the group comparison names it
+        sa = {s.axis: _unit_shape(s, ga) for s in ta.shards or ()}
+        sb = {s.axis: _unit_shape(s, gb) for s in other.shards or ()}
         if sa != sb:
             where = f"{ta.layer_name}{'/' + ta.tensor if ta.tensor else ''}"
-            diffs.append(f"tensor {where} shards (axis: unit_bytes, rows): {na}={sa} {nb}={sb}")
+            per = "per token" if ga.kind.paged else "per slot"
+            diffs.append(
+                f"tensor {where} shards (axis: unit bytes {per}, rows): {na}={sa} {nb}={sb}"
+            )
     return diffs
 
 

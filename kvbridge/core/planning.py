@@ -27,16 +27,26 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.core.batches import AddrArray, TransferOp
-from kvbridge.core.block_mapping import GroupBlockIds, IdArray, group_ids, pair_block_ids
-from kvbridge.core.compat import check_compatible, heads_differ_only
+from kvbridge.core.block_mapping import (
+    CheckedBlockIds,
+    GroupBlockIds,
+    IdArray,
+    TokenSpan,
+    different_block_sizes,
+    group_ids,
+    pair_block_ids,
+    pair_token_blocks,
+)
+from kvbridge.core.compat import check_compatible, heads_differ_only, needs_unit_split
 from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
 from kvbridge.core.memo import PairMemo
 from kvbridge.core.transpose import received_pair
 
-#: One group's regions on both sides and the aligned block ids to move between them.
-_GroupPair = tuple[GroupRegions, GroupRegions, IdArray, IdArray]
+#: One group's regions on both sides, the aligned block ids to move between them and, where
+#: the two sides' block sizes differ, the tokens they share (``None``: blocks pair 1:1).
+_GroupPair = tuple[GroupRegions, GroupRegions, IdArray, IdArray, TokenSpan | None]
 _NO_EXTENTS = np.empty((0, 2), dtype=np.int64)
 
 
@@ -422,6 +432,55 @@ def _plan_group(
     return _GroupDescriptors(s.reshape(-1), d.reshape(-1), lengths.reshape(-1), count)
 
 
+def _plan_token_group(
+    src: GroupRegions,
+    dst: GroupRegions,
+    src_ids: npt.NDArray[np.int64],
+    dst_ids: npt.NDArray[np.int64],
+    span: TokenSpan,
+) -> _GroupDescriptors:
+    """One group's descriptors where the two sides' block sizes differ: one per region and
+    unit of tokens (the gcd of the kernel block sizes, which divides both block sizes), each
+    side's unit found from its own block list; the merge joins them into runs afterwards.
+
+    Rows are regions in the destination's order (tensor-major, as ``_plan_layered`` needs).
+    """
+    order = {key: i for i, key in enumerate(src.keys)}
+    pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
+    src_arrays = {name: values[pick] for name, values in src.arrays().items()}
+    dst_arrays = dst.arrays()
+    unit = _unit_tokens(src.group, dst.group)
+    axes = _Axes(1, False)  # every region a row of its own: [region, 1, 1, unit]
+    tokens = np.arange(span.first, span.end, unit, dtype=np.int64)
+    rows: list[npt.NDArray[np.int64]] = []
+    for group, arrays, ids, start in (
+        (src.group, src_arrays, src_ids, 0),
+        (dst.group, dst_arrays, dst_ids, span.first),
+    ):
+        offsets, step = _side_offsets(group, arrays, unit, axes)
+        at = tokens - start
+        blocks = ids[at // group.block_size]
+        units = (at % group.block_size) // unit
+        rows.append(offsets.reshape(len(pick), -1)[:, units] + step.reshape(-1, 1) * blocks)
+    s, d = rows
+    lengths = np.broadcast_to(
+        (dst_arrays["length"] // dst.group.kernel_size * unit)[:, None], d.shape
+    )
+    count = int(d.size)
+    return _GroupDescriptors(s.reshape(-1), d.reshape(-1), lengths.reshape(-1), count)
+
+
+def _group_descriptors(
+    pair: _GroupPair, *, collapse: bool, sort_runs: bool = False, fuse: bool = True
+) -> _GroupDescriptors:
+    """One group pair's descriptors: by block (``_plan_group``) or, between different block
+    sizes, by token unit (``_plan_token_group``)."""
+    sg, dg, s_ids, d_ids, span = pair
+    if span is not None:
+        return _plan_token_group(sg, dg, s_ids, d_ids, span)
+    return _plan_group(sg, dg, s_ids, d_ids, collapse=collapse, sort_runs=sort_runs, fuse=fuse)
+
+
 def merge_descriptors(
     src: npt.NDArray[np.integer], dst: npt.NDArray[np.integer], lengths: npt.NDArray[np.integer]
 ) -> tuple[AddrArray, AddrArray, AddrArray]:
@@ -507,6 +566,7 @@ def plan_transfers(
     merge: bool = True,
     check: bool = True,
     by_layer: bool = False,
+    dst_first_token: int | None = None,
 ) -> TransferPlan:
     """Plan moving a request's blocks from the ``src`` layout to the ``dst`` layout.
 
@@ -516,13 +576,23 @@ def plan_transfers(
     verified first and destination ranges are checked not to overlap. With ``by_layer`` the one
     plan is cut by layer (``TransferPlan.layers``, ``for_layers``): merged within each layer,
     never across two (a layout whose block holds every layer then needs more descriptors).
+
+    Groups whose block sizes differ pair tokens, not blocks (``pair_token_blocks``): the
+    source's list starts at the request's first token, the destination's at
+    ``dst_first_token`` (required for them, a multiple of the destination's block size: the
+    tokens it held already; by default what ``CheckedBlockIds.first_token`` of
+    ``dst_block_ids`` says). Groups of equal block sizes ignore it: the destination's list
+    pairs with the source's tail.
     """
+    if dst_first_token is None and isinstance(dst_block_ids, CheckedBlockIds):
+        dst_first_token = dst_block_ids.first_token
     if check:
         check_compatible(src, dst, ("source", "destination"))
     # A token-major side facing a head-major one is planned as head-major (transposed on receive).
     src, dst = received_pair(src, dst)
-    if heads_differ_only(src, dst):
-        # Heads stored whole on one side, per head on the other: plan the units both hold.
+    if heads_differ_only(src, dst) or needs_unit_split(src, dst):
+        # Heads stored whole on one side, per head on the other, or blocks of different kernel
+        # sizes that hold heads' tokens in order only per head: plan the units both hold.
         from kvbridge.core.tp import restrict_pair  # tp plans with this module
 
         pair = restrict_pair(src, dst)
@@ -541,10 +611,15 @@ def plan_transfers(
     pairs: list[_GroupPair] = []
     for index in sorted(dst_block_ids):
         sg, dg = src.group_regions[index], dst.group_regions[index]
-        s_ids, d_ids = pair_block_ids(
-            sg.group, dg.group, group_ids(src_block_ids, index), group_ids(dst_block_ids, index)
-        )
-        pairs.append((sg, dg, s_ids, d_ids))
+        s_given, d_given = group_ids(src_block_ids, index), group_ids(dst_block_ids, index)
+        span: TokenSpan | None = None
+        if different_block_sizes(sg.group, dg.group):
+            s_ids, d_ids, span = pair_token_blocks(
+                sg.group, dg.group, s_given, d_given, dst_first_token
+            )
+        else:
+            s_ids, d_ids = pair_block_ids(sg.group, dg.group, s_given, d_given)
+        pairs.append((sg, dg, s_ids, d_ids, span))
     if by_layer:
         plan, extents = _plan_layered(pairs, merge)
     else:
@@ -630,10 +705,10 @@ def _plan_pairs(
     """
     parts: list[_GroupDescriptors] = []
     stats: list[GroupPlanStats] = []
-    for sg, dg, s_ids, d_ids in pairs:
-        part = _plan_group(sg, dg, s_ids, d_ids, collapse=merge, sort_runs=sort_runs)
+    for pair in pairs:
+        part = _group_descriptors(pair, collapse=merge, sort_runs=sort_runs)
         parts.append(part)
-        stats.append(_group_stats(dg, d_ids, part))
+        stats.append(_group_stats(pair[1], pair[3], part))
     if parts:
         # Addresses are computed in int64 (numpy's index type) and reinterpreted, not copied.
         # One group's arrays need no concatenation (a copy), unless they are read-only views.
@@ -673,8 +748,9 @@ def _plan_layered(pairs: list[_GroupPair], merge: bool) -> tuple[TransferPlan, I
     parts: list[_GroupDescriptors] = []
     tags: list[npt.NDArray[np.int64]] = []
     stats: list[GroupPlanStats] = []
-    for sg, dg, s_ids, d_ids in pairs:
-        part = _plan_group(sg, dg, s_ids, d_ids, collapse=merge, fuse=False)
+    for pair in pairs:
+        dg, d_ids = pair[1], pair[3]
+        part = _group_descriptors(pair, collapse=merge, fuse=False)
         layers = _tensor_layers(dg)
         codes = np.array([layer_index.setdefault(n, len(layer_index)) for n in layers], np.int64)
         size = int(part.src.size)

@@ -31,7 +31,12 @@ import msgspec
 import numpy as np
 
 from kvbridge.core.block_mapping import GroupBlockIds, only_groups
-from kvbridge.core.compat import layout_differences, unit_format
+from kvbridge.core.compat import (
+    layout_differences,
+    needs_unit_split,
+    shard_unit_bytes,
+    unit_format,
+)
 from kvbridge.core.errors import BlockIdError, LayoutError, LayoutMismatchError
 from kvbridge.core.groups import CacheGroup
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, expand_tensor
@@ -193,6 +198,7 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
         and src.spec.tp_rank == dst.spec.tp_rank
         and _same_shards(src, dst)
         and not layout_differences(src, dst)
+        and not needs_unit_split(src, dst)
     ):
         return TPPair(None, None, frozenset(dst.groups), _all_units(dst))
     by_key = {(t.layer_name, t.tensor): t for t in src.spec.tensors}
@@ -221,10 +227,17 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
                 units[(dt.layer_name, dt.tensor, "")] = [(0, 1)]
                 groups.add(dt.group_index)
             continue
+        # Different kernel block sizes split blocks into tokens: a slice must then list its
+        # tokens in order, which a unit does when its shard says so (a head of [H, N, C]).
+        split = dg.kind.paged and sg.kernel_size != dg.kernel_size
         p_axes = {s.axis: s for s in st.shards}
         for ds in dt.shards:
             ps = p_axes.get(ds.axis)
-            if ps is None or ps.unit_bytes != ds.unit_bytes or ps.rows != ds.rows:
+            if (
+                ps is None
+                or shard_unit_bytes(ps.unit_bytes, sg) != shard_unit_bytes(ds.unit_bytes, dg)
+                or ps.rows != ds.rows
+            ):
                 diffs.append(
                     f"{_where(dt)} axis {ds.axis!r}: source "
                     + (f"unit_bytes={ps.unit_bytes} rows={ps.rows}" if ps else "lacks it")
@@ -243,9 +256,6 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
                     "run per token; configure a head-major KV cache layout on both sides "
                     "(vLLM's LBHNC or LHBNC) to move caches between different TP sizes"
                 )
-            # Different kernel block sizes split blocks into tokens: a slice must then list its
-            # tokens in order, which a unit does when its shard says so (a head of [H, N, C]).
-            split = dg.kind.paged and sg.kernel_size != dg.kernel_size
             by_unit = split and ds.token_major and ps.token_major
             packed = ds.stride == ds.unit_bytes and ps.stride == ps.unit_bytes and not by_unit
             runs = [(a, b)] if packed else [(u, u + 1) for u in range(a, b)]
@@ -254,10 +264,13 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
             for row in range(ds.rows):
                 for u0, u1 in runs:
                     name = f"{dt.tensor}|{ds.axis}[{u0}:{u1}]" + (f"@{row}" if ds.rows > 1 else "")
-                    length = (u1 - u0) * ds.unit_bytes
+                    # each side's own bytes per block (block sizes may differ)
+                    s_len, d_len = (u1 - u0) * ps.unit_bytes, (u1 - u0) * ds.unit_bytes
                     s_off = ps.offset + (u0 - ps.start) * ps.stride + row * ps.row_stride
                     d_off = ds.offset + (u0 - ds.start) * ds.stride + row * ds.row_stride
-                    whole = s_off == d_off == 0 and length == st.block_bytes == dt.block_bytes
+                    whole = (
+                        s_off == d_off == 0 and s_len == st.block_bytes and d_len == dt.block_bytes
+                    )
                     if split and not (whole or by_unit):
                         raise LayoutError(
                             f"{_where(dt)} axis {ds.axis!r}: kernel block size source="
@@ -266,8 +279,8 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
                             "a block's units moves only between equal kernel block sizes (use "
                             "the same attention backend and block size on both sides)"
                         )
-                    s_pieces.append(_piece(st, sg, s_off, length, name, by_unit))
-                    d_pieces.append(_piece(dt, dg, d_off, length, name, by_unit))
+                    s_pieces.append(_piece(st, sg, s_off, s_len, name, by_unit))
+                    d_pieces.append(_piece(dt, dg, d_off, d_len, name, by_unit))
     if diffs:
         raise LayoutMismatchError(diffs)
     if not d_pieces:
@@ -333,8 +346,12 @@ def plan_tp_pair(
     merge: bool = True,
     check: bool = True,
     by_layer: bool = False,
+    dst_first_token: int | None = None,
 ) -> TransferPlan | None:
     """The plan moving what source rank ``src`` sends destination rank ``dst``, or ``None``.
+
+    ``dst_first_token``: where the destination's blocks start in the request's tokens, which
+    groups of different block sizes need (``plan_transfers``).
 
     For push (P writes): P rank ``p`` calls it for each D rank. It cannot see the other source
     ranks, so it does not check that every unit of ``dst`` is covered (``plan_tp_transfers``
@@ -363,6 +380,7 @@ def plan_tp_pair(
         merge=merge,
         check=check,
         by_layer=by_layer,
+        dst_first_token=dst_first_token,
     )
 
 

@@ -48,6 +48,26 @@ def paired_ids(
     return list(zip(s[len(s) - len(d) :], d, strict=True))
 
 
+def paired_tokens(
+    sg: CacheGroup, dg: CacheGroup, s_ids: list[int], d_ids: list[int], first: int | None
+) -> list[tuple[int, int, int, int]]:
+    """Between different block sizes: ``(source block, its token, destination block, its
+    token)`` per token both lists hold, or ``Refused``.
+
+    The source list holds the request's tokens from 0, the destination's from ``first`` (a
+    multiple of its block size); the source must reach into the destination's last block.
+    """
+    bs, bd = sg.block_size, dg.block_size
+    if sg.kind is GroupKind.SLIDING_WINDOW or first is None or first % bd:
+        raise Refused(f"block sizes {bs} vs {bd}, first token {first}")
+    if d_ids and len(s_ids) * bs <= first + (len(d_ids) - 1) * bd:
+        raise Refused(f"source tokens {len(s_ids) * bs}, destination from {first}")
+    out = []
+    for t in range(first, min(len(s_ids) * bs, first + len(d_ids) * bd)):
+        out.append((s_ids[t // bs], t % bs, d_ids[(t - first) // bd], (t - first) % bd))
+    return out
+
+
 def _parts(tensor: CacheTensor, group: CacheGroup) -> list[str]:
     if group.kind in (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW):
         return ["WHOLE"] if tensor.kv_layout is KVLayout.WHOLE else ["K", "V"]
@@ -75,6 +95,7 @@ def reference_descriptors(
     src_ids: dict[int, list[int]],
     dst_ids: dict[int, list[int]],
     layer: str | None = None,
+    dst_first_token: int | None = None,
 ) -> list[tuple[int, int, int]]:
     """``(src, dst, length)`` per token (per slot for STATE) of everything that must move
     (of that one layer's tensors when ``layer`` is given).
@@ -85,6 +106,20 @@ def reference_descriptors(
     src_tensors = {(t.layer_name, t.tensor): t for t in src.spec.tensors}
     for index in dst_ids:
         sg, dg = src.groups[index], dst.groups[index]
+        if sg.kind.paged and sg.block_size != dg.block_size:
+            tokens = paired_tokens(
+                sg, dg, list(src_ids[index]), list(dst_ids[index]), dst_first_token
+            )
+            for dt in dst.spec.tensors:
+                if dt.group_index != index or (layer is not None and dt.layer_name != layer):
+                    continue
+                st = src_tensors[(dt.layer_name, dt.tensor)]
+                n = dt.block_bytes // dg.block_size
+                for part in _parts(dt, dg):
+                    for sb, s_tok, db, d_tok in tokens:
+                        s_addr = _token_addr(st, sg, part, sb, s_tok)
+                        out.append((s_addr, _token_addr(dt, dg, part, db, d_tok), n))
+            continue
         pairs = paired_ids(sg, dg, list(src_ids[index]), list(dst_ids[index]))
         s_blocks, d_blocks = [p for p, _ in pairs], [d for _, d in pairs]
         for dt in dst.spec.tensors:

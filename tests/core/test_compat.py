@@ -48,7 +48,6 @@ def test_every_differing_field_is_named():
     for needle in (
         "dtype: P='bfloat16' D='float16'",
         "tp_size: P=1 D=2",
-        "group 0 block_size: P=16 D=32",
         "group 1 kind: P='STATE' D='MLA'",
         "only on P: [layers.0.attn:K, layers.0.attn:V, layers.1.attn:K, layers.1.attn:V]",
         "only on D: [renamed.attn:K, renamed.attn:V]",
@@ -75,7 +74,7 @@ def test_a_different_block_format_is_said_once_and_lists_are_short():
     assert " more]" in text and len(text) < 1000
 
 
-def test_bytes_per_block_and_group_set_differences():
+def test_bytes_per_unit_and_group_set_differences():
     arena = Arena()
     p = hybrid_layout(arena)
     groups = [*p.spec.groups, CacheGroup(2, GroupKind.ATTENTION, 16, 4)]
@@ -86,7 +85,7 @@ def test_bytes_per_block_and_group_set_differences():
     d = Layout(LayoutSpec(groups, tensors))
     diffs = layout_differences(p, d)
     assert "group indices: P=[0, 1] D=[0, 1, 2]" in diffs
-    assert "group 1 region layers.0.gdn/ssm:WHOLE bytes per block: P=200 D=100" in diffs
+    assert "group 1 region layers.0.gdn/ssm:WHOLE bytes per state slot: P=200 D=100" in diffs
 
 
 def test_sliding_window_size_must_match():

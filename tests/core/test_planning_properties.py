@@ -177,15 +177,89 @@ def test_plan_matches_reference_or_both_refuse_stays_in_memory_and_is_minimal(da
     order = np.argsort(plan.dst)
     ends = plan.dst[order] + plan.lengths[order]
     assert bool(np.all(ends[:-1] <= plan.dst[order][1:]))
-    # applying the plan gives exactly what the block-by-block reference gives
+    assert_exact_and_minimal(data, plan, reference, pa, da)
+
+
+def assert_exact_and_minimal(data, plan, reference, pa: Arena, da: Arena) -> None:
+    """Applying the plan gives exactly what the reference gives, in the fewest descriptors."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     src, dst = pa.materialise(rng), da.materialise(rng)
     expected = dst.copy()
     reference_copy(reference, src, expected)
     apply_plan(src, dst, plan.src, plan.dst, plan.lengths)
     np.testing.assert_array_equal(dst, expected)
-    # and uses the minimum number of descriptors
     assert plan.count == minimum_descriptor_count(reference)
 
 
 BASE_D = 1 << 21
+
+
+@st.composite
+def token_request(draw, p_groups, d_groups, p_blocks, d_blocks):
+    """One request over groups whose block sizes may differ between P and D: ``N`` tokens,
+    P's blocks from token 0, D's from its local hit ``first`` (a multiple of every D block
+    size) on, as vLLM holds them; sometimes P holds too few, which both must refuse."""
+    paged = [(p, d) for p, d in zip(p_groups, d_groups, strict=True) if p["kind"].paged]
+    capacity = min(
+        [(p_blocks - 1) * p["block"] for p, _ in paged]
+        + [(d_blocks - 1) * d["block"] for _, d in paged]
+        + [40]
+    )
+    tokens = draw(st.integers(1, max(1, capacity)))
+    step = max([d["block"] for _, d in paged] + [1])
+    first = step * draw(st.integers(0, (tokens - 1) // step))
+    p_ids, d_ids = {}, {}
+    for pg, dg in zip(p_groups, d_groups, strict=True):
+        if not draw(st.booleans()) and len(p_groups) > 1:
+            continue
+        if pg["kind"] is GroupKind.STATE:
+            slots = draw(st.permutations(range(1, min(p_blocks, d_blocks))))[:1]
+            p_ids[pg["index"]] = [0] * draw(st.integers(0, 2)) + slots
+            d_ids[dg["index"]] = [0] * draw(st.integers(0, 2)) + slots
+            continue
+        n_p = -(-tokens // pg["block"])
+        n_d = -(-tokens // dg["block"]) - first // dg["block"]
+        if draw(st.integers(0, 5)) == 0:  # a P that computed fewer tokens than D asks for
+            n_p = draw(st.integers(0, n_p))
+        p_ids[pg["index"]] = draw(st.permutations(range(1, p_blocks)))[:n_p]
+        d_ids[dg["index"]] = draw(st.permutations(range(1, d_blocks)))[:n_d]
+    return p_ids, d_ids, first
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_between_different_block_sizes_the_plan_matches_reference_and_is_minimal(data):
+    """P and D whose logical and kernel block sizes differ (any of 1, 2, 4, 8 per side and
+    group; sliding windows keep equal sizes): tokens pair, from P's first and from D's local
+    hit on, whole and exact, in the fewest descriptors; refused exactly where the reference
+    refuses. Cut by layer, every layer's part is its share of the whole."""
+    groups = data.draw(model())
+    d_groups = [
+        dict(g, block=data.draw(st.sampled_from([1, 2, 4, 8])))
+        if g["kind"] is not GroupKind.SLIDING_WINDOW
+        else g
+        for g in groups
+    ]
+    p_choice, d_choice = data.draw(side(groups)), data.draw(side(d_groups))
+    pa, da = Arena(), Arena(next=BASE_D)
+    p, d = build(groups, p_choice, pa), build(d_groups, d_choice, da)
+    differ = any(g["block"] != h["block"] for g, h in zip(groups, d_groups, strict=True))
+    event(f"sizes differ: {differ}")
+    p_ids, d_ids, first = data.draw(
+        token_request(groups, d_groups, p_choice["num_blocks"], d_choice["num_blocks"])
+    )
+    try:
+        reference = reference_descriptors(p, d, p_ids, d_ids, dst_first_token=first)
+    except Refused as why:
+        event(f"refused: {str(why).split()[0]}")
+        with pytest.raises(BlockIdError):
+            plan_transfers(p, d, p_ids, d_ids, dst_first_token=first)
+        return
+    plan = plan_transfers(p, d, p_ids, d_ids, dst_first_token=first)
+    assert_exact_and_minimal(data, plan, reference, pa, da)
+    layered = plan_transfers(p, d, p_ids, d_ids, dst_first_token=first, by_layer=True)
+    for name in layered.layers:
+        part = layered.for_layers([name])
+        one = reference_descriptors(p, d, p_ids, d_ids, layer=name, dst_first_token=first)
+        assert part.count == minimum_descriptor_count(one)
+        assert part.nbytes == sum(n for _, _, n in one)

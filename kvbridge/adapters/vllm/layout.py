@@ -23,8 +23,10 @@ size move in the source's order and the destination permutes the received blocks
 (``kvbridge.core.transpose``, ``kvbridge.adapters.vllm.transpose``).
 
 How ``C`` divides into K and V is the attention backend's business. vLLM's CPU backend reads a
-head's slice of a kernel block ``[N, C]`` as K for its N tokens, then V for them (``[2, N, D]``,
-``split="head_kv"``); CUDA FlashAttention reads each ``C`` cell as ``[K | V]`` of one token.
+head's slice of a kernel block ``[N, C]`` as K for its N tokens, then V for them
+(``split="head_kv"``), and keeps that K column-major, ``[D, N]`` (its ``vec`` kernels; other
+ISAs tile it their own way), so a token's K is no run of bytes; CUDA FlashAttention reads each
+``C`` cell as ``[K | V]`` of one token.
 Different kernel block sizes on the two sides need a block split into tokens, which is only
 right where tokens are outermost in what moves and the backend keeps a token's bytes together
 (MLA, and ``[N,H,C]`` or per-head regions under a backend other than the CPU one); elsewhere the
@@ -58,7 +60,8 @@ from kvbridge.core.errors import LayoutError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import CacheTensor, KVLayout, LayoutSpec, Shard
 
-#: Head slices of attention blocks hold ``[K: N x D][V: N x D]`` (vLLM's CPU backend).
+#: Head slices of attention blocks hold K, then V, of their N tokens (vLLM's CPU backend; its
+#: kernels keep K as ``[D, N]``): never split into tokens.
 SPLIT_HEAD_KV = "head_kv"
 #: The meaning of a head slice is unknown: move it whole, only between equal kernel sizes.
 SPLIT_OPAQUE = "opaque"

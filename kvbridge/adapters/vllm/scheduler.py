@@ -37,6 +37,9 @@ MODE_KEY = "kvbridge_mode"
 TRUNCATED_KEY = "_kvbridge_truncated"
 #: Set on D's params once the load was planned, so a rescheduled request does not load twice.
 PROCESSED_KEY = "_kvbridge_processed"
+#: Set on D's params when vLLM asks how much to load: the tokens D holds already (its local
+#: prefix hit), where the load's blocks start (``LoadRequest.first_token``).
+LOCAL_HIT_KEY = "_kvbridge_local_tokens"
 #: Set on P's answer when P held nothing for decode (over its hold limit): why.
 DECLINED_KEY = "kvbridge_declined"
 #: vLLM's null block (the first block of the pool), a placeholder in STATE/SW block lists.
@@ -64,6 +67,9 @@ class LoadRequest:
     request_id: str
     params: dict[str, Any]  # TransferParams.to_dict()
     block_ids: GroupBlockIds
+    #: the request's token at which ``block_ids`` start: the tokens D held already (P and D of
+    #: different block sizes pair tokens from there)
+    first_token: int = 0
 
 
 @dataclass
@@ -293,6 +299,7 @@ class SchedulerState:
             self._foreign_params(request, params)
             return 0, False
         prompt_len = len(request.prompt_token_ids or ())
+        params[LOCAL_HIT_KEY] = int(num_computed_tokens)  # where the load's blocks will start
         count = remote_prefill_token_count(prompt_len, self.has_state, num_computed_tokens)
         if not remote.layerwise:  # P computes the same prompt at once: D knows its count
             # Never ask for more than P computed (a P configured differently, or a shorter prompt).
@@ -411,7 +418,8 @@ class SchedulerState:
                 if remote.layerwise and g.window_blocks is not None:
                     held = min(len(local[g.index]), g.window_blocks)
                 local[g.index] = tail_block_ids(local[g.index], held)
-        self._plan.loads.append(LoadRequest(request.request_id, dict(raw), local))
+        first = int(params.get(LOCAL_HIT_KEY) or 0)
+        self._plan.loads.append(LoadRequest(request.request_id, dict(raw), local, first))
 
     # -- both: the end of a request ---------------------------------------------------------------
     def request_finished(

@@ -149,9 +149,9 @@ class ConnectorWorker:
                 params = TransferParams.from_dict(load.params)
                 self._recving[params.request_id] = load.request_id
                 if params.mode is Mode.PUSH:
-                    plane.push(params, load.block_ids)
+                    plane.push(params, load.block_ids, load.first_token)
                 else:
-                    plane.pull(params, load.block_ids)
+                    plane.pull(params, load.block_ids, load.first_token)
                 log.debug("kvbridge: load of %s started (%s)", load.request_id, params.mode.value)
             except Exception as err:
                 log.error("kvbridge: load of %s failed to start: %s", load.request_id, err)

@@ -1,6 +1,6 @@
 """Ready means able to transfer: a P/D pair that answers ``/health`` but cannot move KV between
-its instances (P and D of different block sizes: D refuses P's layout and recomputes every
-prompt) is reported not ready by the readiness probe ``one-host.sh --wait`` runs, in one line
+its instances (P and D of different block sizes on vLLM's CPU attention, whose blocks do not
+split into tokens: D refuses P's layout and recomputes every prompt) is reported not ready by the readiness probe ``one-host.sh --wait`` runs, in one line
 naming the cause (D's ``vllm:kvbridge_incompatible_loads_total``).
 
 Marked ``e2e`` (run by ``make test`` with ``KVBRIDGE_E2E=1``): two vLLM servers start.
@@ -83,4 +83,4 @@ def test_a_pair_of_different_block_sizes_is_not_ready(tmp_path: Path) -> None:
     )
     # what D's log says of the refusal, where the line sends the operator
     decode = (tmp_path / "decode.log").read_text(errors="replace")
-    assert "block_size" in decode, logs
+    assert "kernel block size: prefill=32 decode=64" in decode, logs
