@@ -168,14 +168,13 @@ def needs_unit_split(a: Layout, b: Layout) -> bool:
     """Whether a paged group's kernel block sizes differ while a tensor of it does not list
     its tokens in order: its blocks can then only be split unit by unit (``kvbridge.core.tp``),
     never into tokens whole."""
-    for index, ga in a.groups.items():
-        gb = b.groups.get(index)
-        if gb is None or not ga.kind.paged or ga.kernel_size == gb.kernel_size:
-            continue
-        tensors = (*a.spec.tensors, *b.spec.tensors)
-        if any(t.group_index == index and not t.token_major for t in tensors):
-            return True
-    return False
+    split = {
+        index
+        for index, ga in a.groups.items()
+        if index in b.groups and ga.kind.paged and ga.kernel_size != b.groups[index].kernel_size
+    }
+    tensors = (*a.spec.tensors, *b.spec.tensors)
+    return bool(split) and any(t.group_index in split and not t.token_major for t in tensors)
 
 
 def _units_in_order(layout: Layout) -> bool:

@@ -359,6 +359,16 @@ class _PairTemplate:
     rows: _Rows | None
 
 
+def _paired_arrays(
+    src: GroupRegions, dst: GroupRegions
+) -> tuple[dict[str, npt.NDArray[np.int64]], dict[str, npt.NDArray[np.int64]]]:
+    """Both sides' per-region arrays (``GroupRegions.arrays``), the source's in the
+    destination's region order: the two sides may list layers in different orders."""
+    order = {key: i for i, key in enumerate(src.keys)}
+    pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
+    return {name: values[pick] for name, values in src.arrays().items()}, dst.arrays()
+
+
 def _build_template(
     src: GroupRegions, dst: GroupRegions, collapse: bool, fuse: bool = True
 ) -> _PairTemplate:
@@ -366,11 +376,7 @@ def _build_template(
 
     ``fuse`` lets regions that continue one another merge into one row (``_fuse_regions``);
     a plan cut by layer keeps one row per tensor, so no descriptor spans two layers."""
-    # Pair regions by key: the two sides may list layers in different orders.
-    order = {key: i for i, key in enumerate(src.keys)}
-    pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
-    src_arrays = {name: values[pick] for name, values in src.arrays().items()}
-    dst_arrays = dst.arrays()
+    src_arrays, dst_arrays = _paired_arrays(src, dst)
     unit = _unit_tokens(src.group, dst.group)
     # Regions come as [K, V] per attention tensor split into its parts, one region per tensor
     # otherwise (a group describes all its tensors one way, and both sides' keys agree).
@@ -445,10 +451,7 @@ def _plan_token_group(
 
     Rows are regions in the destination's order (tensor-major, as ``_plan_layered`` needs).
     """
-    order = {key: i for i, key in enumerate(src.keys)}
-    pick = np.array([order[key] for key in dst.keys], dtype=np.int64)
-    src_arrays = {name: values[pick] for name, values in src.arrays().items()}
-    dst_arrays = dst.arrays()
+    src_arrays, dst_arrays = _paired_arrays(src, dst)
     unit = _unit_tokens(src.group, dst.group)
     axes = _Axes(1, False)  # every region a row of its own: [region, 1, 1, unit]
     tokens = np.arange(span.first, span.end, unit, dtype=np.int64)
@@ -461,7 +464,8 @@ def _plan_token_group(
         at = tokens - start
         blocks = ids[at // group.block_size]
         units = (at % group.block_size) // unit
-        rows.append(offsets.reshape(len(pick), -1)[:, units] + step.reshape(-1, 1) * blocks)
+        regions = len(dst.regions)
+        rows.append(offsets.reshape(regions, -1)[:, units] + step.reshape(-1, 1) * blocks)
     s, d = rows
     lengths = np.broadcast_to(
         (dst_arrays["length"] // dst.group.kernel_size * unit)[:, None], d.shape
