@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +85,29 @@ class _Reader(RankPart):
         return self.lease.aborted
 
 
+@dataclass(frozen=True)
+class _Readers:
+    """The D workers that read from this P worker (``FromDecodeRank.reader``): TP ranks
+    ``ranks`` of D's TP size ``tp_size``, in each of D's ``pp_size`` stages."""
+
+    ranks: range
+    tp_size: int
+    pp_size: int = 1
+
+    def __iter__(self) -> Iterator[int]:
+        return (s * self.tp_size + r for s in range(self.pp_size) for r in self.ranks)
+
+    def __contains__(self, reader: object) -> bool:
+        return isinstance(reader, int) and reader in set(self)
+
+    def __str__(self) -> str:
+        return _span(self.ranks) + _stages(self.pp_size)
+
+
+def _stages(pp_size: int) -> str:
+    return f" in each of {pp_size} pipeline stages" if pp_size > 1 else ""
+
+
 @dataclass
 class _Lease:
     """P's hold on a published request's blocks, until every D rank that reads them ended."""
@@ -93,8 +116,9 @@ class _Lease:
     expires_at: float
     #: when P published it (a claimed lease lasts at least ``lease`` from here)
     published_at: float = 0.0
-    #: the D ranks that end this lease (``reporting_ranks``), known from the first D rank's word
-    expected: range | None = None
+    #: the D workers that end this lease (``reporting_ranks`` of every D stage), known from the
+    #: first D worker's word
+    expected: _Readers | None = None
     readers: dict[int, _Reader] = field(default_factory=dict)
     aborted: bool = False
 
@@ -417,28 +441,36 @@ class Leases:
         rid = lease.params.request_id
         spec = self._ctx.layout.spec
         try:
-            expected = reporting_ranks(spec.tp_rank, spec.tp_size, body.tp_size)
+            ranks = reporting_ranks(spec.tp_rank, spec.tp_size, body.tp_size)
         except KvbridgeError as err:
             raise MessageError("tp_size", f"request {rid!r}: {err}") from None
+        if body.pp_rank >= body.pp_size:
+            raise MessageError(
+                "pp_size", f"decode stage {body.pp_rank} is outside its {body.pp_size} stages"
+            )
+        # Every D stage talks to every P stage (one holding none of its layers reads nothing).
+        expected = _Readers(ranks, body.tp_size, body.pp_size)
         if lease.expected is not None and lease.expected != expected:
             raise MessageError(
                 "tp_size",
-                f"request {rid!r} is read by decode ranks {_span(lease.expected)}, "
-                f"not by a decode of TP size {body.tp_size}",
+                f"request {rid!r} is read by decode ranks {lease.expected}, not by a decode "
+                f"of TP size {body.tp_size}" + _stages(body.pp_size),
             )
-        if body.rank not in expected:
+        if body.reader not in expected:
             raise MessageError(
                 "not_a_reader",
                 f"decode rank {body.rank} of TP size {body.tp_size} does not read from prefill "
-                f"rank {spec.tp_rank} of {spec.tp_size} (its readers: {_span(expected)})",
+                f"rank {spec.tp_rank} of {spec.tp_size} (its readers: {_span(ranks)})",
             )
-        if body.rank in lease.readers:
+        if body.reader in lease.readers:
             raise MessageError(
-                "duplicate", f"request {rid!r} is already taken by decode rank {body.rank}"
+                "duplicate",
+                f"request {rid!r} is already taken by decode rank {body.rank}"
+                + (f" of stage {body.pp_rank}" if body.pp_size > 1 else ""),
             )
         lease.expected = expected
-        reader = _Reader(lease, peer, rank=body.rank)
-        lease.readers[body.rank] = reader
+        reader = _Reader(lease, peer, rank=body.reader)
+        lease.readers[body.reader] = reader
         # Claimed: the lease runs its full length from publishing (an unclaimed one ends at
         # ``claim``), and the blocks outlive D's read and its engine giving it back.
         hold = time.monotonic() + self._ctx.deadlines.read_hold
@@ -466,7 +498,7 @@ class Leases:
             if lease is None:
                 raise _unknown(body.request_id)
             _require_token(lease, body)
-            reader = lease.readers.get(body.rank)
+            reader = lease.readers.get(body.reader)
             if reader is None:  # a D rank that read nothing here: its word ends its part
                 reader = self._join(lease, body, peer)
             elif reader.engine_id != peer or reader.pushing:
@@ -484,7 +516,7 @@ class Leases:
     def on_digest_request(self, peer: str, body: DigestRequest) -> Message | Future[Message]:
         with self._lock:
             lease = self._leases.get(body.request_id)
-            reader = lease.readers.get(body.rank) if lease is not None else None
+            reader = lease.readers.get(body.reader) if lease is not None else None
             remote = self._peers.peer(peer)
             if lease is None or reader is None or reader.engine_id != peer or remote is None:
                 raise _unknown(body.request_id)
@@ -540,7 +572,7 @@ class Leases:
     def on_push_query(self, body: PushQuery) -> Message:
         rid = body.request_id
         with self._lock:
-            result = self._push_results.get((rid, body.rank))
+            result = self._push_results.get((rid, body.reader))
             if result is not None:
                 if not auth.token_matches(result[2], body.token):
                     raise _wrong_token(rid)
@@ -548,8 +580,8 @@ class Leases:
             lease = self._leases.get(rid)
             if lease is not None:
                 _require_token(lease, body)
-            reader = lease.readers.get(body.rank) if lease is not None else None
-            key = (rid, body.rank, body.token)
+            reader = lease.readers.get(body.reader) if lease is not None else None
+            key = (rid, body.reader, body.token)
             pending = key in self._pending_push or key in self._streams
             if pending or (reader is not None and reader.pushing):
                 return Ok()  # may still write
@@ -587,7 +619,7 @@ class Leases:
             _require_token(lease, body)
         else:
             self._refuse_ended(rid, body.token)
-        if (rid, body.token) in self._withdrawn or (rid, body.rank) in self._push_results:
+        if (rid, body.token) in self._withdrawn or (rid, body.reader) in self._push_results:
             raise MessageError(
                 "withdrawn", f"request {rid!r} was aborted, withdrawn by prefill, or already pushed"
             )
@@ -597,7 +629,7 @@ class Leases:
             )
             remote.connect_soon()  # P writes to this rank: connect meanwhile, off the push
         if lease is None:
-            key = (rid, body.rank, body.token)
+            key = (rid, body.reader, body.token)
             if key in self._pending_push:
                 raise MessageError("duplicate", f"{what} of {rid!r} sent twice")
             until = time.monotonic() + self._ctx.deadlines.remember

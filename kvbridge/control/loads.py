@@ -141,7 +141,12 @@ class Loads:
         self._pending: dict[str, _Pending] = {}
         self._aborted: dict[str, float] = {}  # request ids aborted on D, until when to remember
         spec = ctx.layout.spec
-        self._me = {"rank": spec.tp_rank, "tp_size": spec.tp_size}
+        self._me = {
+            "rank": spec.tp_rank,
+            "tp_size": spec.tp_size,
+            "pp_rank": spec.pp_rank,
+            "pp_size": spec.pp_size,
+        }
 
     def pull(
         self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int = 0
@@ -245,9 +250,14 @@ class Loads:
         for request_id in pending:
             self._finish_pending(request_id, False, "the control plane was closed", closing=True)
 
-    def _contacts(self, params: TransferParams) -> range:
+    def _contacts(self, params: TransferParams) -> list[int]:
+        """P's workers this D worker talks to about a request (``TransferParams.rank``): the
+        TP ranks of ``contact_ranks`` in every P stage, even a stage holding none of this
+        worker's layers (it reads nothing there, but its word ends P's lease all the same)."""
         spec = self._ctx.layout.spec
-        return contact_ranks(spec.tp_rank, spec.tp_size, params.tp_size)
+        tp = params.tp_size
+        ranks = contact_ranks(spec.tp_rank, spec.tp_size, tp)
+        return [stage * tp + rank for stage in range(params.pp_size) for rank in ranks]
 
     def _begin(
         self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int
@@ -280,14 +290,21 @@ class Loads:
 
     def _check_ranks(self, pending: _Pending) -> None:
         params = pending.params
+        tp, pp = params.tp_size, params.pp_size
         for rank, part in pending.parts.items():
             remote = self._peers.remote_for(part.address, pending.stats)
             spec = remote.layout.spec
-            if (spec.tp_rank, spec.tp_size) != (rank, params.tp_size):
+            if (spec.pp_rank, spec.pp_size, spec.tp_rank, spec.tp_size) != (
+                rank // tp,
+                pp,
+                rank % tp,
+                tp,
+            ):
                 raise ControlError(
                     "tp_rank",
                     f"{part.address.endpoint} is prefill rank {spec.tp_rank} of TP size "
-                    f"{spec.tp_size}; the request names it rank {rank} of {params.tp_size}",
+                    f"{spec.tp_size}{_stage(spec.pp_rank, spec.pp_size)}; the request names it "
+                    f"rank {rank % tp} of {tp}{_stage(rank // tp, pp)}",
                 )
             part.remote = remote
         layouts = {r: part.remote.layout for r, part in pending.parts.items() if part.remote}
@@ -843,3 +860,7 @@ class Loads:
             "request %s: %s %s %s", request_id, "done" if ok else "failed", reason, pending.stats
         )
         self._transfers.report_slow("load", request_id, pending.stats)
+
+
+def _stage(pp_rank: int, pp_size: int) -> str:
+    return f" in pipeline stage {pp_rank} of {pp_size}" if pp_size > 1 else ""

@@ -23,7 +23,7 @@ from kvbridge.core.layout import LayoutSpec
 #: 4: ``TransferFigures.streamed_nbytes``, ``PushDone.source_block_ids`` (layer-wise push).
 #: 3: D's requests carry the request's capability ``token``; ``AuthRefused``. 2: ``PushDone``
 #: carries its figures as one ``TransferFigures``; 1: six fields of its own.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 #: Largest message an endpoint accepts; a layout of a few hundred layers is far below it.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -93,13 +93,21 @@ class Handshake(Message, tag="handshake"):
 
 # -- request flow ---------------------------------------------------------------------------------
 class FromDecodeRank(Message, kw_only=True):
-    """A message a decode TP rank sends about a request: which rank of which TP size it is
-    (P learns which D ranks end its lease: ``kvbridge.core.tp.reporting_ranks``)."""
+    """A message a decode worker sends about a request: which TP rank of which TP size it is,
+    of which pipeline stage of how many (P learns which D workers end its lease: every stage's
+    ``kvbridge.core.tp.reporting_ranks``)."""
 
     rank: Rank = 0
     tp_size: TPSize = 1
     #: the request's capability token (``TransferParams.token``): P answers only its bearer
     token: Token = ""
+    pp_rank: Rank = 0
+    pp_size: TPSize = 1
+
+    @property
+    def reader(self) -> int:
+        """The D worker's index among D's ``pp_size * tp_size`` (stage-major)."""
+        return self.pp_rank * self.tp_size + self.rank
 
 
 class PullStart(FromDecodeRank, tag="pull_start"):

@@ -44,10 +44,11 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What P publishes for a request and D needs to fetch it (kv_transfer_params in vLLM).
 
     ``engine_id``/``endpoint`` are P's TP rank 0; ``ranks`` every P rank in order when P runs
-    TP > 1 (empty: rank 0 alone). ``token`` is the request's capability: an unguessable value P
-    made for this request alone; P serves a claim, a read or a push of it only to a peer that
-    sends it (beside the shared secret), and it grants nothing once P's hold of the request
-    ended. Never logged.
+    TP > 1 or pipeline stages (empty: rank 0 alone): stage-major, ``pp_size`` stages of
+    ``tp_size`` ranks (``LayoutSpec.flat_rank``). ``token`` is the request's capability: an
+    unguessable value P made for this request alone; P serves a claim, a read or a push of it
+    only to a peer that sends it (beside the shared secret), and it grants nothing once P's
+    hold of the request ended. Never logged.
     """
 
     request_id: str
@@ -67,14 +68,16 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: prompt ended and it published the blocks (0: not stamped). The start of
     #: ``RequestStats.landed_after_s``.
     published_at: float = 0.0
+    #: P's pipeline stages (``ranks`` holds every stage's TP ranks, stage by stage)
+    pp_size: int = 1
 
     @property
     def tp_size(self) -> int:
         """P's TP size."""
-        return len(self.ranks) or 1
+        return len(self.ranks) // self.pp_size or 1
 
     def rank(self, p_rank: int) -> RankAddress:
-        """How to reach P's TP rank ``p_rank``."""
+        """How to reach P's worker ``p_rank`` (its TP rank, stage-major across stages)."""
         if not self.ranks:
             if p_rank:
                 raise KvbridgeError(f"prefill rank {p_rank} of a TP 1 prefill")
@@ -87,6 +90,10 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.endpoint,
         ):
             raise msgspec.ValidationError("ranks[0] must be engine_id and endpoint (P's rank 0)")
+        if self.pp_size < 1 or (self.pp_size > 1 and len(self.ranks) % self.pp_size):
+            raise msgspec.ValidationError(
+                f"pp_size {self.pp_size} does not divide the {len(self.ranks)} prefill ranks"
+            )
 
     def __repr__(self) -> str:
         # The token is a credential: a logged repr must not hand it out.
@@ -127,7 +134,7 @@ class TransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 #: The fields of P's published parameters that name P (its rank 0, its TP ranks, its transport).
-ADDRESS_FIELDS = ("engine_id", "endpoint", "transport", "ranks")
+ADDRESS_FIELDS = ("engine_id", "endpoint", "transport", "ranks", "pp_size")
 
 
 def address_of(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,10 +143,15 @@ def address_of(params: Mapping[str, Any]) -> dict[str, Any]:
     return {name: params[name] for name in (*ADDRESS_FIELDS, "mode") if name in params}
 
 
-def rank_engine_id(engine_id: str, tp_rank: int, tp_size: int) -> str:
-    """The engine id of one TP rank's control plane: every rank is its own peer to the other
-    side (its own transport connection and leases); TP 1 keeps the engine's id."""
-    return engine_id if tp_size == 1 else f"{engine_id}.tp{tp_rank}"
+def rank_engine_id(
+    engine_id: str, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1
+) -> str:
+    """The engine id of one worker's control plane: every worker (TP rank of a pipeline stage)
+    is its own peer to the other side (its own transport connection and leases); a worker alone
+    in its engine keeps the engine's id."""
+    stage = f".pp{pp_rank}" if pp_size > 1 else ""
+    rank = f".tp{tp_rank}" if tp_size > 1 else ""
+    return f"{engine_id}{stage}{rank}"
 
 
 @dataclass

@@ -6,6 +6,7 @@ from kvbridge.core.errors import LayoutMismatchError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import Layout, Region, RegionKey, Shard
 from kvbridge.core.memo import PairMemo
+from kvbridge.core.stages import stage_pair
 from kvbridge.core.transpose import (
     HEAD_MAJOR,
     PER_HEAD,
@@ -51,7 +52,13 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
 
     Block sizes, logical and kernel, may differ (blocks split into token units then); region
     order, addresses and strides may differ. What must agree is what a token's bytes mean.
+    Pipeline stages compare the layers both hold (``kvbridge.core.stages``).
     """
+    staged = stage_pair(a, b)
+    if staged is None:  # pipeline stages sharing no layer: nothing moves between them
+        return []
+    if staged[0] is not a or staged[1] is not b:  # pipeline stages: what both hold must agree
+        return layout_differences(*staged, names)
     planned = received_pair(a, b)
     if planned != (a, b):  # transposed on receive: what must agree is the pair as planned
         sizes = [

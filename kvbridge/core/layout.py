@@ -126,6 +126,9 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``"[H,N,C] head_kv"``); two sides whose formats differ never exchange bytes. ``engine_layout``
     is the engine's own name for its physical layout (vLLM's ``KVCacheLayout``), for messages:
     two engine layouts may differ and still agree on every block's format.
+
+    ``pp_rank`` of ``pp_size``: the pipeline stage whose layers these are (``tensors`` hold
+    that stage's layers only; every stage shares the engine's block table).
     """
 
     groups: list[CacheGroup]
@@ -135,6 +138,13 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_size: int = 1
     block_format: str = ""
     engine_layout: str = ""
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def flat_rank(self) -> int:
+        """This worker's index among its engine's ``pp_size * tp_size`` workers (stage-major)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
 
 RegionKey = tuple[str, str, Part]
@@ -278,6 +288,8 @@ class Layout:
             problems.append("a layout needs at least one group")
         if not 0 <= spec.tp_rank < spec.tp_size:
             problems.append(f"tp_rank {spec.tp_rank} is outside tp_size {spec.tp_size}")
+        if not 0 <= spec.pp_rank < spec.pp_size:
+            problems.append(f"pp_rank {spec.pp_rank} is outside pp_size {spec.pp_size}")
         if problems:
             raise LayoutError("invalid layout: " + "; ".join(problems))
 

@@ -34,6 +34,7 @@ from kvbridge.core.block_mapping import (
     TokenSpan,
     different_block_sizes,
     group_ids,
+    only_groups,
     pair_block_ids,
     pair_token_blocks,
 )
@@ -42,6 +43,7 @@ from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
 from kvbridge.core.memo import PairMemo
+from kvbridge.core.stages import stage_pair
 from kvbridge.core.transpose import received_pair
 
 #: One group's regions on both sides, the aligned block ids to move between them and, where
@@ -592,6 +594,17 @@ def plan_transfers(
         dst_first_token = dst_block_ids.first_token
     if check:
         check_compatible(src, dst, ("source", "destination"))
+    staged = stage_pair(src, dst)  # pipeline stages: the layers both hold
+    if staged is None:
+        raise PlanError(
+            "the two pipeline stages hold no layer in common: nothing moves between them "
+            "(plan_tp_pair answers None for such a pair)"
+        )
+    if staged[0] is not src or staged[1] is not dst:
+        src, dst = staged
+        shared = set(src.groups) & set(dst.groups)
+        src_block_ids = only_groups(src_block_ids, [g for g in src_block_ids if g in shared])
+        dst_block_ids = only_groups(dst_block_ids, [g for g in dst_block_ids if g in shared])
     # A token-major side facing a head-major one is planned as head-major (transposed on receive).
     src, dst = received_pair(src, dst)
     if heads_differ_only(src, dst) or needs_unit_split(src, dst):

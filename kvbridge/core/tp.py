@@ -42,6 +42,7 @@ from kvbridge.core.groups import CacheGroup
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, expand_tensor
 from kvbridge.core.memo import PairMemo
 from kvbridge.core.planning import TransferPlan, plan_transfers
+from kvbridge.core.stages import stage_pair
 from kvbridge.core.transpose import is_token_major, received_pair
 
 #: ``(layer_name, tensor, axis)``: one axis of one tensor; axis ``""`` for a tensor without shards.
@@ -189,7 +190,11 @@ def _sources_of(
 
 
 def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
-    src, dst = received_pair(src, dst)  # a token-major side facing a head-major one
+    given = (src, dst)
+    staged = stage_pair(src, dst)  # pipeline stages move the layers both hold
+    if staged is None:
+        return None
+    src, dst = received_pair(*staged)  # a token-major side facing a head-major one
     if is_token_major(src) != is_token_major(dst):  # not transposable (across TP sizes)
         raise LayoutMismatchError(layout_differences(src, dst, ("source", "destination")))
     _check_sharded(src, dst)
@@ -200,7 +205,9 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
         and not layout_differences(src, dst)
         and not needs_unit_split(src, dst)
     ):
-        return TPPair(None, None, frozenset(dst.groups), _all_units(dst))
+        if src is given[0] and dst is given[1]:
+            return TPPair(None, None, frozenset(dst.groups), _all_units(dst))
+        return TPPair(src, dst, frozenset(dst.groups), _all_units(dst))
     by_key = {(t.layer_name, t.tensor): t for t in src.spec.tensors}
     by_layer: dict[str, list[CacheTensor]] = {}
     for t in src.spec.tensors:
@@ -431,11 +438,14 @@ _COVERED: weakref.WeakKeyDictionary[Layout, list[tuple[weakref.ref[Layout], ...]
 
 def check_coverage(src_layouts: Mapping[int, Layout], dst: Layout) -> None:
     """Raise ``LayoutMismatchError`` unless every unit of ``dst`` comes from exactly one of
-    these source ranks (by rank: ``src_layouts[p]`` is rank ``p``'s layout); memoised."""
+    these source ranks (by rank: ``src_layouts[p]`` is rank ``p``'s layout, ``p`` its
+    ``LayoutSpec.flat_rank``: the TP rank, stage-major across pipeline stages); memoised."""
     for rank, layout in src_layouts.items():
-        if layout.spec.tp_rank != rank:
+        if layout.spec.flat_rank != rank:
+            spec = layout.spec
             raise LayoutError(
-                f"source layout given as rank {rank} says tp_rank {layout.spec.tp_rank}"
+                f"source layout given as rank {rank} says tp_rank {spec.tp_rank}"
+                + (f" of pipeline stage {spec.pp_rank}" if spec.pp_size > 1 else "")
             )
     ordered = tuple(src_layouts[r] for r in sorted(src_layouts))
     seen = _COVERED.setdefault(dst, [])

@@ -52,17 +52,25 @@ def tp_model(config: dict[str, Any]) -> TPModel:
     return TPModel(**fields)
 
 
-def build_cache(config: dict[str, Any], seed: int) -> tuple[Arena, Layout]:
+#: The whole engine's layout of a pipeline stage's worker, by ``id`` of its arena (verify_tp).
+_WHOLE: dict[int, Layout] = {}
+
+
+def build_cache(config: dict[str, Any], seed: int, whole: bool = False) -> tuple[Arena, Layout]:
     """The engine's cache; ``kv_heads``/``head_dim``/``layers`` in ``config`` resize the model.
 
     With ``tp`` in ``config``: TP rank ``tp.rank`` of ``tp.size`` of a ``TPModel``, its tensors
-    carrying shards as vLLM shards them (``tests.core.tp_layouts``), over real memory.
+    carrying shards as vLLM shards them (``tests.core.tp_layouts``), over real memory; with
+    ``tp.pp`` (``rank``, ``size``) too, pipeline stage ``pp.rank``'s layers of it alone (vLLM's
+    split, ``tests.core.test_stages.stage_of``) unless ``whole``: the bytes of every layer are
+    the same either way.
     """
     arena = Arena()
     if "tp" in config:
         tp = config["tp"]
+        model = tp_model(config)
         layout = build_rank(
-            tp_model(config),
+            model,
             tp["rank"],
             tp["size"],
             tp.get("kernel", 4),
@@ -70,6 +78,11 @@ def build_cache(config: dict[str, Any], seed: int) -> tuple[Arena, Layout]:
             config["num_blocks"],
         )
         arena.fill(seed)
+        if "pp" in tp and not whole:
+            from tests.core.test_stages import stage_of
+
+            _WHOLE[id(arena)] = layout
+            layout = stage_of(layout, model.layers, tp["pp"]["rank"], tp["pp"]["size"])
         return arena, layout
     shape = dataclasses.replace(
         TINY_HYBRID,
@@ -393,24 +406,27 @@ def verify_tp(
     regenerate every P rank's cache (``cmd["sources"]``: their configs in rank order), and for
     each request (``cmd["requests"]``: P ids, D ids) put where the reference says each byte of
     D comes from; every other byte must be unchanged."""
-    p_caches = [build_cache(source, source["seed"]) for source in cmd["sources"]]
+    p_caches = [build_cache(source, source["seed"], whole=True) for source in cmd["sources"]]
     p_layouts = [layout for _, layout in p_caches]
     expected = [b.copy() for b in original]
     target = AddressMap(arena.bases, expected)
+    # A pipeline stage receives what the whole engine's reference puts in its own layers.
+    mine = [(r.addr, r.end) for r in layout.registration]
     moved = 0
     for p_ids, d_ids in cmd["requests"]:
         ref = reference_tp(
             tp_model(config),
             p_layouts,
-            layout,
+            _WHOLE.get(id(arena), layout),
             {int(k): v for k, v in p_ids.items()},
             {int(k): v for k, v in d_ids.items()},
         )
         for q, descriptors in ref.items():
             src = AddressMap(p_caches[q][0].bases, p_caches[q][0].buffers)
             for s, d, n in descriptors:
-                target.view(d, n)[:] = src.view(s, n)
-                moved += n
+                if any(a <= d and d + n <= e for a, e in mine):
+                    target.view(d, n)[:] = src.view(s, n)
+                    moved += n
     return _compared(arena, expected, moved)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvbridge.control import auth
+from kvbridge.control.requests import rank_engine_id
 from tests.control.conftest import FAULT_TIMINGS
 from tests.control.engine import BlockAllocator, EngineProcess
 
@@ -90,6 +91,7 @@ def publish(p: list[EngineProcess], rid: str, ids: dict, tokens: int, mode: str)
     out = dict(params[0])
     if len(p) > 1:
         out["ranks"] = [[prm["engine_id"], prm["endpoint"]] for prm in params]
+        out["pp_size"] = p[0].config["tp"].get("pp", {}).get("size", 1)
     return out
 
 
@@ -292,3 +294,73 @@ def test_decode_rank_killed_mid_transfer(engines, engine_name):
     assert "half" in freed, freed
     assert p[0].call(cmd="leased") == []
     assert p[0].stop() == {"leased": [], "registered_after_plane_close": 0}
+
+
+def start_stages(
+    engines, transport: str, side: str, pp: int, tp: int, model: dict, **config: Any
+) -> list[EngineProcess]:
+    """Every worker of an engine of ``pp`` pipeline stages of ``tp`` ranks, stage-major (as
+    ``TransferParams.ranks`` lists them): each holds its stage's layers alone (vLLM's split);
+    the workers of one TP rank share a seed, so every layer's bytes are those of the whole."""
+    return [
+        engines(
+            f"{side}{stage}.{rank}",
+            transport,
+            tp={"model": model, "rank": rank, "size": tp, "pp": {"rank": stage, "size": pp}},
+            num_blocks=96,
+            seed=(100 if side == "p" else 200) + rank,
+            engine_id=rank_engine_id(f"{side}-engine", rank, tp, stage, pp),
+            timeout=TIMEOUT,
+            **config,
+        )
+        for stage in range(pp)
+        for rank in range(tp)
+    ]
+
+
+#: The small pairs on both transports; each large one on one (CI time): a stage's part is
+#: the TP pair's, which every TP case above proves on both.
+STAGE_CASES = [
+    *[(engine, (2, 1), (1, 1), "pull") for engine in ENGINES],
+    *[(engine, (1, 2), (1, 1), "push") for engine in ENGINES],
+    ("mooncake", (2, 3), (2, 1), "pull"),
+    ("nixl", (3, 2), (1, 2), "push"),
+]
+
+
+@pytest.mark.parametrize(
+    ("transport", "pps", "tps", "mode"),
+    STAGE_CASES,
+    ids=[f"{e}-PP{p[0]}xTP{t[0]}-PP{p[1]}xTP{t[1]}-{m}" for e, p, t, m in STAGE_CASES],
+)
+def test_pipeline_stages_move_every_byte(engines, transport, pps, tps, mode):
+    """P and D of different pipeline-parallel sizes (and TP sizes): every D worker loads its
+    stage's layers from the P stages holding them, every byte as the whole engines' reference
+    says (no byte of another stage's layers touched); every P worker's lease ends once every
+    D worker said it is done (a D stage reading nothing there too)."""
+    from tests.control.conftest import USABLE
+
+    if transport not in USABLE:
+        pytest.skip(f"{transport} is not usable here")
+    model = dict(MODELS["attention"], layers=5)
+    p = start_stages(engines, transport, "p", pps[0], tps[0], model)
+    d = start_stages(engines, transport, "d", pps[1], tps[1], model)
+    requests, params = run(p, d, mode, 4, seed=11)
+    assert all(prm["pp_size"] == pps[0] for prm in params)
+    moved = 0
+    for worker in d:
+        for prm in params:
+            out = worker.call(cmd="wait", request_id=prm["request_id"], timeout=60)
+            assert out["ok"], out["reason"]
+        checked = worker.call(
+            cmd="verify_tp", timeout=120, sources=[r.config for r in p[: tps[0]]], requests=requests
+        )
+        assert checked["ok"], checked
+        moved += checked["bytes"]
+    assert moved > 0
+    for worker in p:
+        freed = outcomes(worker, len(params))
+        assert len(freed) == len(params) and all(o["ok"] for o in freed.values()), freed
+        assert worker.call(cmd="leased") == []
+    for worker in [*p, *d]:
+        assert worker.stop() == {"leased": [], "registered_after_plane_close": 0}

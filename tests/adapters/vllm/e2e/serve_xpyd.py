@@ -118,7 +118,15 @@ class Deployment:
                 ("decode1", "decode.sh", "1"),
             ]
         ):
-            args = [*base, "--max-num-seqs", str(D_MAX_SEQS)] if role.startswith("d") else base
+            # D's API servers log each abort: the disconnect phase waits for it (ABORTED).
+            d_args = [
+                "--max-num-seqs",
+                str(D_MAX_SEQS),
+                "--enable-log-requests",
+                "--max-log-len",
+                "8",
+            ]
+            args = [*base, *d_args] if role.startswith("d") else base
             # Each D handshakes with both P's at start (prefill_peers).
             peers = {"KVB_PREFILL_PEERS": f"127.0.0.1:{side0},127.0.0.1:{side1}"}
             env = _env(
@@ -318,6 +326,19 @@ def engine_processes(server: Server) -> list[int]:
     return descendants(server.proc.pid)
 
 
+#: What vLLM's API server logs (with ``--enable-log-requests``) once it aborted a request.
+ABORTED = "Aborted request"
+
+
+def aborts_logged(dep: Deployment) -> int:
+    """How many aborts the D API servers have logged so far."""
+    count = 0
+    for role in ("decode0", "decode1"):
+        with contextlib.suppress(OSError):
+            count += dep.log(role).read_text(errors="replace").count(ABORTED)
+    return count
+
+
 def disconnect(dep: Deployment, ref: Reference, log: Any) -> dict[str, Any]:
     """Phase 3: the client leaves after P answered, while its request waits on D unscheduled.
 
@@ -332,6 +353,7 @@ def disconnect(dep: Deployment, ref: Reference, log: Any) -> dict[str, Any]:
         raise ServeError("no engine process found under the decode servers")
     loads0 = total(dep.decodes, TRANSFERS)
     success0 = total(dep.prefills, SUCCESS)
+    aborts0 = aborts_logged(dep)
     body = {
         "model": SERVED_NAME,
         "prompt": ref.prompts[EDGE["disconnect"]],
@@ -353,7 +375,9 @@ def disconnect(dep: Deployment, ref: Reference, log: Any) -> dict[str, Any]:
             time.sleep(0.5)  # the router passes the request on to D
             left_at = time.perf_counter()
             resp.close()  # the client goes away
-        time.sleep(1.0)  # D's API server sees the client gone and aborts the request
+        # D's API server sees the client gone and aborts the request; the engines resume only
+        # then (a fixed wait let a slow machine resume them first, and D loaded the request).
+        wait_for("D's API server aborting the request", lambda: aborts_logged(dep) > aborts0, 60)
     finally:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
