@@ -101,7 +101,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         #: The worker side's state; it opens its control plane at ``register_kv_caches``.
         self.worker = ConnectorWorker(self.options, self.engine_id, vllm_config, kv_cache_config)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.options.refuse_weak(tp_size)  # port + rank for every TP rank
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        self.options.refuse_weak(pp_size * tp_size)  # port + rank for every worker
         if role == KVConnectorRole.SCHEDULER:
             limits = HoldLimits.of_pool(
                 int(kv_cache_config.num_blocks),
@@ -118,10 +119,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerState(
                 groups,
                 engine_id=self.engine_id,
-                ranks=rank_addresses(self.options, self.engine_id, tp_size),
+                ranks=rank_addresses(self.options, self.engine_id, tp_size, pp_size),
                 transport=self.options.transport,
                 mode=self.options.mode,
                 holds=HoldBudget(limits),
+                pp_size=pp_size,
             )
             if self.options.bootstrap_port is not None and ktc.is_kv_producer:
                 self._bootstrap = BootstrapServer(

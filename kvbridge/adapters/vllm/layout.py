@@ -559,8 +559,13 @@ def build_layout_spec(
     engine_layout: str | None = None,
     total_num_kv_heads: int | Mapping[str, int] | None = None,
     conv_state_layout: str | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> LayoutSpec:
     """The core layout of what a vLLM worker registered.
+
+    ``pp_rank`` of ``pp_size``: the worker's pipeline stage; vLLM gives a stage's worker its
+    own layers alone (globally indexed names), which is what ``kv_caches`` holds then.
 
     ``kv_cache_config`` is vLLM's ``KVCacheConfig``; ``kv_caches`` the dict the model runner
     passes to ``register_kv_caches`` (layer name → view). A group's index is its index in
@@ -598,6 +603,15 @@ def build_layout_spec(
         spec = group_spec.kv_cache_spec
         kind = group_kind(spec)
         layers = [name for name in group_spec.layer_names if name in kv_caches]
+        if not layers and pp_size > 1:
+            # Every stage shares the engine's block ids of every group: a stage without a
+            # group's layers could not tell its peers which of them it ignores.
+            raise LayoutError(
+                f"pipeline stage {pp_rank} of {pp_size} holds no layer of KV cache group "
+                f"{index} ({kind.value}); kvbridge moves a model split into pipeline stages "
+                "only where every stage holds layers of every group: choose a "
+                "pipeline_parallel_size (or VLLM_PP_LAYER_PARTITION) that gives each stage some"
+            )
         if not layers:
             continue
         group, ratio = _cache_group(index, spec, kind, kv_caches[layers[0]], layers[0], num_blocks)
@@ -645,4 +659,6 @@ def build_layout_spec(
         tp_size=tp_size,
         block_format="; ".join(sorted(formats)),
         engine_layout=engine_layout or "",
+        pp_rank=pp_rank,
+        pp_size=pp_size,
     )

@@ -3,8 +3,9 @@ environment, each checked for its type and range when the connector starts.
 
 ``transport`` (entry-point name, default ``mooncake``), ``transport_options`` (keyword options
 of the transport), ``mode`` (``pull`` or ``push``), ``host`` (side channel, ``127.0.0.1``),
-``port`` (side channel of TP rank 0, default 5790; TP rank r binds port + r, so an engine of
-TP size n needs ports port..port+n-1 free and reachable from the other side), ``timeout`` (s),
+``port`` (side channel of TP rank 0, default 5790; TP rank r of pipeline stage s binds
+port + s*tp + r, so an engine of TP size tp and pp stages needs ports port..port+pp*tp-1 free
+and reachable from the other side), ``timeout`` (s),
 ``lease`` (s), ``secret`` (shared token authenticating peers), ``kv_split`` (``head_kv`` for
 vLLM's CPU attention layout, ``opaque`` otherwise; default from the platform), ``kv_layout``
 (the physical KV cache layout to ask vLLM for: ``auto``, or one of vLLM's ``KVCacheLayout``
@@ -17,7 +18,7 @@ nothing and decode computes the prompt itself), ``insecure`` (true: allow a side
 reachable from other hosts without a secret, on an isolated network on purpose).
 
 Weak settings stop the connector at start (``kvbridge.control.exposure``): an empty secret, a
-``port + rank`` outside 1-65535 for any TP rank, and a non-loopback ``host`` without a secret
+``port + rank`` outside 1-65535 for any worker, and a non-loopback ``host`` without a secret
 unless ``insecure`` is true.
 
 Every option is checked for its type and range when the connector starts (``Options.from_extra``):
@@ -325,13 +326,14 @@ class Options:
         options.refuse_weak(1)
         return options
 
-    def refuse_weak(self, tp_size: int) -> None:
+    def refuse_weak(self, workers: int) -> None:
         """Stop at start on settings that weaken security or cannot bind: ``WeakSettingError``
-        (a ``ValueError``) for an empty secret, ``port + rank`` outside 1-65535 for a TP rank of
-        ``tp_size``, or a non-loopback ``host`` without a secret unless ``insecure``."""
+        (a ``ValueError``) for an empty secret, ``port + rank`` outside 1-65535 for any of the
+        engine's ``workers`` (TP size times pipeline stages), or a non-loopback ``host`` without
+        a secret unless ``insecure``."""
         refuse_weak_settings(
             self.host,
-            [self.port + rank for rank in range(tp_size)],
+            [self.port + rank for rank in range(workers)],
             self.secret,
             insecure=self.insecure,
             where="kvbridge option",
@@ -357,25 +359,17 @@ class Options:
 
 
 def refuse_unsupported_parallelism(vllm_config: Any) -> None:
-    """Stop the engine at start where kvbridge cannot move the KV right: pipeline parallelism,
-    sleep mode.
+    """Stop the engine at start where kvbridge cannot move the KV right: sleep mode.
 
-    A pipeline stage holds only its layers; P and D stages would have to pair up layer by
-    layer, which the transfer parameters do not say. Tensor parallelism is supported (each TP
-    rank is a peer of its own; D's ranks load from the P ranks holding their slices). Sleep mode
-    frees the KV cache and maps it anew on wake-up, under the transport's registration and the
-    addresses peers plan with (``supports_sleep_mode`` says so to vLLM 0.33; 0.32 does not ask).
+    Tensor and pipeline parallelism are supported: each worker (a TP rank of a pipeline
+    stage) is a peer of its own, and D's workers load their layers' slices from the P workers
+    holding them (``kvbridge.core.tp``, ``kvbridge.core.stages``). Sleep mode frees the KV
+    cache and maps it anew on wake-up, under the transport's registration and the addresses
+    peers plan with (``supports_sleep_mode`` says so to vLLM 0.33; 0.32 does not ask).
     """
     model = getattr(vllm_config, "model_config", None)
     if model is not None and getattr(model, "enable_sleep_mode", False):
         raise ValueError(SLEEP_MODE_REFUSED)
-    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
-    if size > 1:
-        raise ValueError(
-            f"kvbridge: pipeline_parallel_size={size} is not supported (P/D transfers between "
-            "pipeline stages are not implemented); run P and D with pipeline_parallel_size 1 "
-            "(tensor_parallel_size may differ between them)"
-        )
 
 
 def _layout_option(value: object) -> str:
@@ -412,16 +406,23 @@ def required_layout(options: Options, use_mla: bool) -> str | None:
     return None if use_mla else "LBHNC"
 
 
-def endpoint_of(options: Options, tp_rank: int = 0) -> str:
-    """The side-channel address of a TP rank's control plane (``port + tp_rank``)."""
+def endpoint_of(options: Options, worker: int = 0) -> str:
+    """The side-channel address of a worker's control plane (``port + worker``: the TP rank,
+    stage-major across pipeline stages, ``LayoutSpec.flat_rank``)."""
     host = f"[{options.host}]" if ":" in options.host else options.host
-    return f"tcp://{host}:{options.port + tp_rank}"
+    return f"tcp://{host}:{options.port + worker}"
 
 
-def rank_addresses(options: Options, engine_id: str, tp_size: int) -> list[RankAddress]:
-    """How D reaches each of this engine's TP ranks: what the scheduler puts into the transfer
-    parameters before any worker exists (each worker binds ``port + tp_rank``)."""
+def rank_addresses(
+    options: Options, engine_id: str, tp_size: int, pp_size: int = 1
+) -> list[RankAddress]:
+    """How D reaches each of this engine's workers (the TP ranks of each pipeline stage,
+    stage-major): what the scheduler puts into the transfer parameters before any worker
+    exists (each worker binds ``port + pp_rank * tp_size + tp_rank``)."""
     return [
-        RankAddress(rank_engine_id(engine_id, rank, tp_size), endpoint_of(options, rank))
-        for rank in range(tp_size)
+        RankAddress(
+            rank_engine_id(engine_id, flat % tp_size, tp_size, flat // tp_size, pp_size),
+            endpoint_of(options, flat),
+        )
+        for flat in range(pp_size * tp_size)
     ]

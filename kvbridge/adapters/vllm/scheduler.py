@@ -208,10 +208,11 @@ def _remote_params(params: Mapping[str, Any]) -> TransferParams | None:
 class SchedulerState:
     """The connector's scheduler-side state for one engine.
 
-    ``engine_id`` is the engine's (vLLM's) id; ``ranks`` (one per TP rank, in order) and
-    ``transport`` must be what the workers' ``ControlPlane``s report (each worker binds a fixed
-    port so the scheduler can name it before it exists); ``endpoint`` is rank 0's. ``holds``
-    bounds what P holds for decode (``HoldBudget``; None: no bound).
+    ``engine_id`` is the engine's (vLLM's) id; ``ranks`` (one per worker: TP ranks of each
+    of ``pp_size`` pipeline stages, stage-major) and ``transport`` must be what the workers'
+    ``ControlPlane``s report (each worker binds a fixed port so the scheduler can name it before
+    it exists); ``endpoint`` is rank 0's. ``holds`` bounds what P holds for decode
+    (``HoldBudget``; None: no bound).
     """
 
     def __init__(
@@ -223,9 +224,14 @@ class SchedulerState:
         transport: str,
         mode: Mode = Mode.PULL,
         holds: HoldBudget | None = None,
+        pp_size: int = 1,
     ) -> None:
-        if not ranks:
-            raise ValueError("SchedulerState needs the address of every TP rank (ranks)")
+        if not ranks or len(ranks) % pp_size:
+            raise ValueError(
+                "SchedulerState needs the address of every worker (ranks: the TP ranks of each "
+                "pipeline stage)"
+            )
+        self.pp_size = pp_size
         self.groups = list(groups)
         self.has_state = any(g.kind is GroupKind.STATE and g.transfer for g in self.groups)
         self.ranks = list(ranks)
@@ -354,6 +360,7 @@ class SchedulerState:
             self.transport,
             self.mode,
             self.ranks if len(self.ranks) > 1 else [],
+            pp_size=self.pp_size,
         ).to_dict()
         return address_of(params)
 
@@ -472,6 +479,7 @@ class SchedulerState:
             self.ranks if len(self.ranks) > 1 else [],
             token=token,
             published_at=time.time(),
+            pp_size=self.pp_size,
         )
         self._plan.publishes.append(
             PublishRequest(

@@ -39,6 +39,16 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
     return int(get_tensor_model_parallel_rank()), size
 
 
+def _pp(vllm_config: Any) -> tuple[int, int]:
+    """This worker's pipeline stage and the engine's stage count."""
+    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return int(get_pp_group().rank_in_group), size
+
+
 class ConnectorWorker:
     """The worker side of ``KVBridgeConnector``: its control plane and the requests in flight."""
 
@@ -58,6 +68,7 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tp_rank, tp_size = _tp(self.vllm_config)
+        pp_rank, pp_size = _pp(self.vllm_config)
         split = self.options.kv_split
         if split is None:
             from vllm.platforms import current_platform
@@ -80,6 +91,8 @@ class ConnectorWorker:
             tp_size=tp_size,
             engine_layout=engine_layout,
             total_num_kv_heads=total_heads,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
         )
         transport_cls = load_transport_class(self.options.transport)
         vllm_cache = getattr(self.vllm_config, "cache_config", None)
@@ -99,9 +112,9 @@ class ConnectorWorker:
         self.plane = ControlPlane(
             Layout(spec),
             transport,
-            engine_id=rank_engine_id(self.engine_id, tp_rank, tp_size),
+            engine_id=rank_engine_id(self.engine_id, tp_rank, tp_size, pp_rank, pp_size),
             host=self.options.host,
-            port=self.options.port + tp_rank,
+            port=self.options.port + pp_rank * tp_size + tp_rank,
             secret=self.options.secret,
             timeout=self.options.timeout,
             lease=self.options.lease,
@@ -110,10 +123,12 @@ class ConnectorWorker:
             insecure=self.options.insecure,
         )
         log.info(
-            "kvbridge: %s (TP rank %d of %d) registered, side channel %s",
+            "kvbridge: %s (TP rank %d of %d, pipeline stage %d of %d) registered, side channel %s",
             self.plane.engine_id,
             tp_rank,
             tp_size,
+            pp_rank,
+            pp_size,
             self.plane.endpoint,
         )
         peers = self.options.prefill_peers

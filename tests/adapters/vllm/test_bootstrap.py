@@ -71,6 +71,7 @@ def test_p_answers_the_routers_query_with_its_engine_id_and_side_channel(served)
         "endpoint": "tcp://127.0.0.1:5790",
         "transport": "nixl",
         "ranks": [],
+        "pp_size": 1,
         "mode": "push",
     }
     with pytest.raises(urllib.error.HTTPError) as err:

@@ -119,3 +119,25 @@ def test_block_formats_of_different_backends_do_not_pair() -> None:
     other = Layout(build_layout_spec(config, allocate(config, kernels), split=SPLIT_OPAQUE))
     with pytest.raises(LayoutMismatchError, match="block format"):
         check_compatible(cpu, other)
+
+
+def test_a_pipeline_stage_keeps_its_layers_and_needs_every_group() -> None:
+    # vLLM gives a stage's worker its own layers' caches alone: the layout is that stage's,
+    # and a stage holding no layer of a group is refused in one line (every stage shares the
+    # engine's block ids of every group).
+    from kvbridge.core.errors import LayoutError
+
+    config, kernels = hybrid_config(kernel=32)
+    caches = allocate(config, kernels)
+    attention, state = (g.layer_names for g in config.kv_cache_groups)
+    stage = {name: caches[name] for name in (attention[1], state[-1])}
+    spec = build_layout_spec(config, stage, pp_rank=1, pp_size=2)
+    assert (spec.pp_rank, spec.pp_size, spec.flat_rank) == (1, 2, 1)
+    assert {t.layer_name for t in spec.tensors} == {attention[1], state[-1]}
+    no_state = {name: caches[name] for name in attention}
+    with pytest.raises(
+        LayoutError, match=r"^pipeline stage 1 of 2 holds no layer of KV cache group 1 \(STATE\)"
+    ):
+        build_layout_spec(config, no_state, pp_rank=1, pp_size=2)
+    # one engine (no stages) registers what it has, as before
+    assert build_layout_spec(config, no_state).pp_size == 1

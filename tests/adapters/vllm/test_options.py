@@ -15,6 +15,7 @@ from kvbridge.adapters.vllm.connector import KVBridgeConnector
 from kvbridge.adapters.vllm.options import Options
 from kvbridge.adapters.vllm.plugin import register
 from kvbridge.control.plane import Mode
+from kvbridge.control.requests import TransferParams
 from kvbridge.core.integrity import Verify
 
 SECRET = "s3cr3t-Value"
@@ -404,9 +405,9 @@ def test_a_bad_environment_secret_is_reported_without_its_value(
     assert SECRET not in repr(Options.from_extra({}, None))
 
 
-def test_the_connector_takes_tensor_parallelism_and_refuses_pipeline_stages() -> None:
-    # TP > 1 is supported (each rank a peer of its own); PP > 1 is not: one line at start,
-    # instead of every load failing later.
+def test_the_connector_takes_tensor_and_pipeline_parallelism() -> None:
+    # Each worker (a TP rank of a pipeline stage) is a peer of its own, at port + its index
+    # (stage-major); P's published parameters name every worker and the stage count.
     register()
     ktc = KVTransferConfig(
         kv_connector="KVBridgeConnector",
@@ -437,10 +438,24 @@ def test_the_connector_takes_tensor_parallelism_and_refuses_pipeline_stages() ->
     with pytest.raises(ValueError, match=r"port \+ rank \(65535 \+ 1\) = 65536"):
         KVBridgeConnector(high_config, KVConnectorRole.SCHEDULER, _no_groups())
     config.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(ValueError, match=r"^kvbridge: pipeline_parallel_size=2 is not supported"):
-        KVBridgeConnector.get_required_kvcache_layout(config)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size may differ between them\)$"):
-        KVBridgeConnector(config, KVConnectorRole.SCHEDULER, _no_groups())
+    assert KVBridgeConnector.get_required_kvcache_layout(config) == "LBHNC"
+    staged = KVBridgeConnector(config, KVConnectorRole.SCHEDULER, _no_groups())
+    assert staged.scheduler is not None
+    assert [(r.engine_id, r.endpoint) for r in staged.scheduler.ranks] == [
+        ("e.pp0.tp0", "tcp://127.0.0.1:6100"),
+        ("e.pp0.tp1", "tcp://127.0.0.1:6101"),
+        ("e.pp1.tp0", "tcp://127.0.0.1:6102"),
+        ("e.pp1.tp1", "tcp://127.0.0.1:6103"),
+    ]
+    address = staged.scheduler.prefill_address()
+    assert address["pp_size"] == 2 and len(address["ranks"]) == 4
+    params = TransferParams.layerwise_of(address, "r", "t", Mode.PULL)
+    assert (params.tp_size, params.pp_size) == (2, 2)
+    # the last worker binds port + 3
+    high_config.parallel_config.tensor_parallel_size = 1
+    high_config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match=r"port \+ rank \(65535 \+ 1\) = 65536"):
+        KVBridgeConnector(high_config, KVConnectorRole.SCHEDULER, _no_groups())
 
 
 def test_sleep_mode_is_refused_at_start_in_one_line() -> None:

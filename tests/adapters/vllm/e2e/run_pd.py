@@ -188,7 +188,9 @@ def _engine_env(cores: str) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
-def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, tp: int = 1) -> Any:
+def _make_llm(
+    model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, tp: int = 1, pp: int = 1
+) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -196,6 +198,10 @@ def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, t
     kw.update(case.llm_options)
     if tp > 1:  # vLLM's CPU backend: one core per rank (VLLM_CPU_OMP_THREADS_BIND "0|1")
         kw["tensor_parallel_size"] = tp
+    if pp > 1:  # one core per stage; not eager: vLLM's CPU build needs the warm-up's
+        # intermediate tensors for the later stages (docs/vllm-connector.md)
+        kw["pipeline_parallel_size"] = pp
+        kw["distributed_executor_backend"] = "mp"
     if kv_transfer is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
     if case.speculative is not None:
@@ -210,7 +216,7 @@ def _make_llm(model: str, kv_transfer: dict[str, Any] | None, case: ModelCase, t
         tokenizer=model,
         dtype=case.dtype,
         max_model_len=1024,
-        enforce_eager=True,
+        enforce_eager=pp == 1,
         seed=0,
         max_num_seqs=8,
         disable_log_stats=False,  # the prefix-cache counters (D's local hit)
@@ -396,6 +402,7 @@ def engine_main(
     case: ModelCase,
     faults: str | None = None,
     tp: int = 1,
+    pp: int = 1,
 ) -> None:
     """A child process holding one engine; serves requests, ``"reset"``, ``"usage"`` and
     ``("batch", [...])`` over ``conn``. ``faults``: a directory for ``faults.install``."""
@@ -416,7 +423,7 @@ def engine_main(
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(extra.pop("_side_channel_port"))
     try:
         t0 = time.perf_counter()
-        llm = _make_llm(model, kv_transfer, case, tp)
+        llm = _make_llm(model, kv_transfer, case, tp, pp)
         conn.send(("ready", time.perf_counter() - t0))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -456,11 +463,12 @@ class Engine:
         case: ModelCase,
         faults: Path | None = None,
         tp: int = 1,
+        pp: int = 1,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
-        args = (child, model, kv, cores, case, None if faults is None else str(faults), tp)
+        args = (child, model, kv, cores, case, None if faults is None else str(faults), tp, pp)
         self.proc = ctx.Process(target=engine_main, args=args, name=name, daemon=False)
         self.proc.start()
 
@@ -773,29 +781,35 @@ def run_pair(
     freeze_check: bool = True,
     tp_p: int = 1,
     tp_d: int = 1,
+    pp_p: int = 1,
+    pp_d: int = 1,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every check above on one P/D pair; returns a summary with ``ok`` and per-check results.
 
-    ``tp_p``/``tp_d``: the TP sizes of P and D (``ref`` must be a single instance at ``tp_d``).
+    ``tp_p``/``tp_d``: the TP sizes of P and D (``ref`` must be a single instance at ``tp_d``);
+    ``pp_p``/``pp_d``: their pipeline stages (one core per worker).
     """
     case = ref.case
     p = Engine(
         "prefill",
         ref.model,
         kv_config("kv_producer", transport, port_p),
-        cores_for(tp_p, CORE_P),
+        cores_for(tp_p * pp_p, CORE_P),
         case,
         tp=tp_p,
+        pp=pp_p,
     )
-    peers = [f"127.0.0.1:{port_p + r}" for r in range(tp_p)]  # P's ranks' side channels
+    # P's workers' side channels (port + worker, stage-major)
+    peers = [f"127.0.0.1:{port_p + r}" for r in range(tp_p * pp_p)]
     d = Engine(
         "decode",
         ref.model,
         kv_config("kv_consumer", transport, port_d, peers=peers),
-        cores_for(tp_d, CORE_D),
+        cores_for(tp_d * pp_d, CORE_D),
         case,
         tp=tp_d,
+        pp=pp_d,
     )
     summary: dict[str, Any] = {
         "model": case.name,
@@ -803,6 +817,8 @@ def run_pair(
         "dtype": case.dtype,
         "tp_p": tp_p,
         "tp_d": tp_d,
+        "pp_p": pp_p,
+        "pp_d": pp_d,
     }
     results: list[dict[str, Any]] = []
     try:

@@ -14,12 +14,18 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.run_pd import Reference, run_pair
-from tests.adapters.vllm.e2e.test_pd import RESULTS, check_landed, check_layerwise
+from tests.adapters.vllm.e2e.test_pd import (
+    RESULTS,
+    check_landed,
+    check_layerwise,
+    layers_moved,
+)
 
 pytestmark = E2E
 
@@ -102,3 +108,51 @@ def test_tp_pair_matches_single_instance_at_d_tp(
         assert all(r["match"] == "exact" for r in rows)
     assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
     assert summary["prefix_hit"], "the repeated prompt's prefix hit is not as documented"
+
+
+#: (model, transport, modes, P's stages, D's stages): both directions, each whole-request mode
+#: and each layer-wise one once (every stage of P streams its own layers as it computes them).
+PP_RUNS = [
+    ("llama", "mooncake", ("pull", "layerwise"), 2, 1),
+    ("llama", "nixl", ("push", "layerwise-pull"), 1, 2),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("name", "transport", "modes", "pp_p", "pp_d"), PP_RUNS)
+def test_pipeline_stages_match_single_instance(
+    name: str,
+    transport: str,
+    modes: tuple[str, ...],
+    pp_p: int,
+    pp_d: int,
+    reference: Callable[..., Reference],
+) -> None:
+    """P and D of different pipeline-parallel sizes (vLLM's own split of the layers into
+    stages, one core per stage): D's tokens equal the single instance's (float32: exactly;
+    stages compute what one worker does), and every load moved every layer of the model from
+    whichever P stage holds it to whichever D stage does."""
+    ref = reference(name)
+    port_p = consecutive_free_ports(pp_p, 6400)
+    port_d = consecutive_free_ports(pp_d, port_p + 10)
+    summary = run_pair(
+        ref, transport, modes=modes, port_p=port_p, port_d=port_d,
+        kill_check=False, freeze_check=False, pp_p=pp_p, pp_d=pp_d,
+    )  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"pp-{name}-{transport}-{pp_p}to{pp_d}.json").write_text(
+        json.dumps(summary, indent=1)
+    )
+    rows = summary["results"]
+    assert {r["mode"] for r in rows} == set(modes)
+    bad = [(r["mode"], r["prompt"]) for r in rows if r["match"] != "exact"]
+    assert not bad, f"D (PP {pp_d}) differs from the single instance: {bad}"
+    layers = json.loads((Path(ref.model) / "config.json").read_text())["num_hidden_layers"]
+    block = ref.case.block_size or 0
+    loads = [r for r in rows if r["d_loaded_bytes"]]
+    assert len(loads) >= len(rows) - 2 * len(modes), rows  # a full hit on D loads nothing
+    moved = {(r["mode"], r["prompt"]): layers_moved(ref.model, block, r) for r in loads}
+    assert set(moved.values()) == {float(layers)}, moved
+    check_layerwise(name, rows)
+    check_landed(rows)
+    assert summary["control"]["loaded"], "D did not decode over P's KV (control prompt)"
