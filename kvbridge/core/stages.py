@@ -24,10 +24,15 @@ def layer_names(layout: Layout) -> frozenset[str]:
     return frozenset(t.layer_name for t in layout.spec.tensors)
 
 
-def _only_layers(layout: Layout, layers: frozenset[str]) -> Layout:
+def only_layers(
+    layout: Layout, layers: frozenset[str], stage: tuple[int, int] | None = None
+) -> Layout:
+    """``layout`` with the tensors of ``layers`` alone (and the groups they are in), at the
+    same addresses; ``stage``: ``(pp_rank, pp_size)`` of the result, by default ``layout``'s."""
     spec = layout.spec
     tensors = [t for t in spec.tensors if t.layer_name in layers]
     used = {t.group_index for t in tensors}
+    pp_rank, pp_size = stage or (spec.pp_rank, spec.pp_size)
     return Layout(
         LayoutSpec(
             [g for g in spec.groups if g.index in used],
@@ -37,8 +42,8 @@ def _only_layers(layout: Layout, layers: frozenset[str]) -> Layout:
             spec.tp_size,
             spec.block_format,
             spec.engine_layout,
-            spec.pp_rank,
-            spec.pp_size,
+            pp_rank,
+            pp_size,
         )
     )
 
@@ -52,7 +57,7 @@ def _build_stage_pair(src: Layout, dst: Layout) -> tuple[Layout, Layout] | bool:
     common = a & b
     if not common:
         return False
-    return _only_layers(src, common), _only_layers(dst, common)
+    return only_layers(src, common), only_layers(dst, common)
 
 
 #: Built once per pair of layouts, like every other pair-derived value.

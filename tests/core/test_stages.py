@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.distributed.utils import get_pp_indices
 
-from kvbridge.core import Layout, LayoutMismatchError, LayoutSpec, check_compatible
+from kvbridge.core import Layout, LayoutMismatchError, check_compatible
 from kvbridge.core.errors import PlanError
 from kvbridge.core.planning import plan_transfers
-from kvbridge.core.stages import layer_names, stage_pair
+from kvbridge.core.stages import layer_names, only_layers, stage_pair
 from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair, plan_tp_reads
 
 from .layouts import Arena, apply_plan
@@ -28,22 +28,9 @@ def stage_of(whole: Layout, num_layers: int, pp_rank: int, pp_size: int) -> Layo
     """Stage ``pp_rank`` of an engine whose worker held ``whole``: vLLM's layers of that stage
     alone, at the same addresses (a stage allocates only its own layers' caches)."""
     start, end = get_pp_indices(num_layers, pp_rank, pp_size)
-    keep = {f"l{i}." for i in range(start, end)}
-    spec = whole.spec
-    tensors = [t for t in spec.tensors if any(t.layer_name.startswith(k) for k in keep)]
-    return Layout(
-        LayoutSpec(
-            spec.groups,
-            tensors,
-            spec.dtype,
-            spec.tp_rank,
-            spec.tp_size,
-            spec.block_format,
-            spec.engine_layout,
-            pp_rank,
-            pp_size,
-        )
-    )
+    names = {t.layer_name for t in whole.spec.tensors}
+    keep = frozenset(n for n in names if int(n.split(".")[0][1:]) in range(start, end))
+    return only_layers(whole, keep, (pp_rank, pp_size))
 
 
 def check_stages(
