@@ -32,7 +32,10 @@ KINDS = list(GroupKind)
 
 @st.composite
 def model(draw):
-    """A model: groups with kinds, block sizes, layers and per-token/state sizes (no addresses)."""
+    """A model: groups with kinds, block sizes, layers and per-token/state sizes (no addresses).
+
+    Several attention groups of their own sizes include a drafter's: vLLM 0.34 keeps draft
+    layers (``AttentionSpec.is_draft``) in a group of their own."""
     groups = []
     for index in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(KINDS))
