@@ -52,7 +52,7 @@ from kvbridge.control.requests import (
 from kvbridge.control.streams import Part, PushKey, ReadyNotices, Stream, fence_all
 from kvbridge.control.transfers import RankPart, Transfers, pair_digest, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
-from kvbridge.core.integrity import Verify
+from kvbridge.core.integrity import Verify, unreadable_here
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
 from kvbridge.core.transport import Fence, TransferOp
 
@@ -522,6 +522,9 @@ class Leases:
                 raise _unknown(body.request_id)
             _require_token(lease, body)
             src_ids = lease.params.block_ids
+        unreadable = unreadable_here(self._ctx.layout)
+        if unreadable:  # reading GPU memory from the CPU would take the engine down
+            raise MessageError("verify_unsupported", f"prefill: {unreadable} on decode")
         try:
             check = Verify(body.verify)
             plan = plan_tp_pair(

@@ -65,7 +65,7 @@ from kvbridge.control.requests import Mode, RequestOutcome, RequestStats, Transf
 from kvbridge.control.streams import Part
 from kvbridge.control.transfers import Transfers
 from kvbridge.core.errors import MessageError, OutcomeTimeoutError
-from kvbridge.core.integrity import Verify
+from kvbridge.core.integrity import Verify, unreadable_here
 from kvbridge.core.layout import Layout
 from kvbridge.core.transport import Transport
 
@@ -120,6 +120,7 @@ class ControlPlane:
         insecure: bool = False,
     ) -> None:
         refuse_weak_settings(host, [port], secret, insecure=insecure, where="ControlPlane")
+        _refuse_unreadable(layout, verify)
         # Every time bound of the plane, derived once (the roles read it, never re-derive).
         deadlines = Deadlines(
             transport.timeout if timeout is None else timeout,
@@ -185,6 +186,7 @@ class ControlPlane:
 
     @verify.setter
     def verify(self, value: Verify | str) -> None:
+        _refuse_unreadable(self.layout, value)
         self._ctx.verify = Verify(value)
 
     @property
@@ -435,3 +437,10 @@ _PROTOCOL: dict[type[Message], _Answer] = {
     ProbeConnect: lambda plane, peer, body: plane._probes.connect(peer, body),
     Probe: lambda plane, peer, body: plane._probes.probe(peer, body),
 }
+
+
+def _refuse_unreadable(layout: Layout, verify: Verify | str) -> None:
+    """``ValueError`` (one line) for an integrity check this process cannot run on ``layout``."""
+    why = unreadable_here(layout)
+    if why and Verify(verify) is not Verify.OFF:
+        raise ValueError(f"verify={Verify(verify).value}: {why}")

@@ -12,12 +12,17 @@ from __future__ import annotations
 import ctypes
 import enum
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from kvbridge.core.batches import AddrArray
+from kvbridge.core.memory import MemoryKind
+
+if TYPE_CHECKING:
+    from kvbridge.core.layout import Layout
 
 #: ``sample`` digests about one descriptor in this many (at least one).
 SAMPLE_EVERY = 16
@@ -48,3 +53,15 @@ def digest(addrs: AddrArray, lengths: AddrArray, indices: npt.NDArray[np.intp]) 
     for addr, length in zip(addrs[indices].tolist(), lengths[indices].tolist(), strict=True):
         h.update((ctypes.c_char * length).from_address(addr))
     return int(h.intdigest())
+
+
+def unreadable_here(layout: Layout) -> str:
+    """Why this process cannot digest ``layout``'s bytes ('' when it can): the digest reads
+    them from the CPU, which GPU memory is not."""
+    vram = sorted({r.device_id for r in layout.registration if r.kind is MemoryKind.VRAM})
+    if not vram:
+        return ""
+    return (
+        f"the KV caches lie in GPU memory (device {', '.join(map(str, vram))}), which the "
+        "integrity check (verify) cannot read yet: set verify off"
+    )

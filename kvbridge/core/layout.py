@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from kvbridge.core.errors import LayoutError
 from kvbridge.core.groups import CacheGroup, GroupKind
-from kvbridge.core.memory import MemoryRange
+from kvbridge.core.memory import MemoryKind, MemoryRange
 
 
 class KVLayout(str, enum.Enum):
@@ -128,7 +128,9 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     two engine layouts may differ and still agree on every block's format.
 
     ``pp_rank`` of ``pp_size``: the pipeline stage whose layers these are (``tensors`` hold
-    that stage's layers only; every stage shares the engine's block table).
+    that stage's layers only; every stage shares the engine's block table). ``vram_device``:
+    the GPU whose memory holds every tensor (-1: host memory), which is how the transport must
+    register it.
     """
 
     groups: list[CacheGroup]
@@ -140,6 +142,7 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_layout: str = ""
     pp_rank: int = 0
     pp_size: int = 1
+    vram_device: int = -1
 
     @property
     def flat_rank(self) -> int:
@@ -261,14 +264,17 @@ def expand_tensor(tensor: CacheTensor, group: CacheGroup) -> list[Region]:
     return [region(Part.K, tensor.addr), region(Part.V, tensor.addr, v_offset)]
 
 
-def _merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[MemoryRange]:
-    """De-duplicate backing allocations; overlapping ones become one (touching ones stay apart)."""
+def _merge_ranges(ranges: Sequence[tuple[int, int]], vram_device: int = -1) -> list[MemoryRange]:
+    """De-duplicate backing allocations; overlapping ones become one (touching ones stay apart).
+    ``vram_device`` >= 0: they lie in that GPU's memory."""
     merged: list[list[int]] = []
     for start, end in sorted(set(ranges)):
         if merged and start < merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
+    if vram_device >= 0:
+        return [MemoryRange(s, e - s, MemoryKind.VRAM, vram_device) for s, e in merged]
     return [MemoryRange(s, e - s) for s, e in merged]
 
 
@@ -321,7 +327,7 @@ class Layout:
         self.group_regions: dict[int, GroupRegions] = {
             g: GroupRegions(self.groups[g], tuple(rs)) for g, rs in sorted(by_group.items())
         }
-        self.registration: list[MemoryRange] = _merge_ranges(allocations)
+        self.registration: list[MemoryRange] = _merge_ranges(allocations, spec.vram_device)
 
     @staticmethod
     def _allocation(

@@ -10,7 +10,9 @@ source stage is the coverage check's question (``kvbridge.core.tp.check_coverage
 
 from __future__ import annotations
 
-from kvbridge.core.layout import Layout, LayoutSpec
+import msgspec
+
+from kvbridge.core.layout import Layout
 from kvbridge.core.memo import PairMemo
 
 
@@ -33,17 +35,10 @@ def only_layers(
     tensors = [t for t in spec.tensors if t.layer_name in layers]
     used = {t.group_index for t in tensors}
     pp_rank, pp_size = stage or (spec.pp_rank, spec.pp_size)
+    groups = [g for g in spec.groups if g.index in used]
     return Layout(
-        LayoutSpec(
-            [g for g in spec.groups if g.index in used],
-            tensors,
-            spec.dtype,
-            spec.tp_rank,
-            spec.tp_size,
-            spec.block_format,
-            spec.engine_layout,
-            pp_rank,
-            pp_size,
+        msgspec.structs.replace(
+            spec, groups=groups, tensors=tensors, pp_rank=pp_rank, pp_size=pp_size
         )
     )
 

@@ -43,7 +43,7 @@ refuses between different TP sizes with a message naming the head-major layouts.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -661,4 +661,20 @@ def build_layout_spec(
         engine_layout=engine_layout or "",
         pp_rank=pp_rank,
         pp_size=pp_size,
+        vram_device=vram_device_of(kv_caches.values()),
     )
+
+
+def vram_device_of(views: Iterable[torch.Tensor]) -> int:
+    """The CUDA device holding every cache view (-1: host memory): the transport registers the
+    caches as that GPU's memory. Raises ``LayoutError`` for views on several devices."""
+    devices = {(v.device.type, v.device.index) for v in views}
+    if len(devices) > 1:
+        raise LayoutError(
+            f"the KV cache views lie on several devices ({sorted(map(str, devices))}); a worker "
+            "registers one device's caches"
+        )
+    kind, index = next(iter(devices), ("cpu", None))
+    if kind != "cuda":
+        return -1
+    return int(index if index is not None else torch.cuda.current_device())

@@ -141,3 +141,17 @@ def test_a_pipeline_stage_keeps_its_layers_and_needs_every_group() -> None:
         build_layout_spec(config, no_state, pp_rank=1, pp_size=2)
     # one engine (no stages) registers what it has, as before
     assert build_layout_spec(config, no_state).pp_size == 1
+
+
+def test_the_caches_device_decides_how_they_are_registered() -> None:
+    # host views register as host memory; views on two devices are refused (a CUDA view's index
+    # is read the same way: benchmarks/gpu checks it on a GPU)
+    from kvbridge.adapters.vllm.layout import vram_device_of
+    from kvbridge.core.errors import LayoutError
+
+    config, kernels = hybrid_config(kernel=32)
+    caches = allocate(config, kernels)
+    assert vram_device_of(caches.values()) == -1
+    assert build_layout_spec(config, caches).vram_device == -1
+    with pytest.raises(LayoutError, match="several devices"):
+        vram_device_of([torch.zeros(1), torch.zeros(1, device="meta")])
