@@ -177,3 +177,16 @@ bench: $(STAMP)
 bench-docs: $(STAMP)
 	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/publish.py
+
+# The GPU check (benchmarks/gpu, issue 47). `make gpu-kit` here fetches and sizes the wheels the
+# GPU machine lacks (.whl-gpu, ignored); `make gpu-check` there (CUDA, torch, no registry)
+# installs them aside and runs the check into $(GPU_OUT). `make test` rehearses it on the CPU.
+.PHONY: gpu-kit gpu-check
+GPU_OUT ?= gpu-results
+gpu-kit: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu.carry fetch
+
+gpu-check:
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	  --target /tmp/kvbridge-gpu-site .whl-gpu/*.whl
+	PYTHONPATH=/tmp/kvbridge-gpu-site:$(CURDIR) $(PYTHON) -m benchmarks.gpu.check --out $(GPU_OUT)

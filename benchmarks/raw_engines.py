@@ -122,7 +122,10 @@ class RawNixl:
     name: ClassVar[str] = "nixl"
     PROGRESS_DELAY_US: ClassVar[int] = 1000
 
-    def __init__(self) -> None:
+    def __init__(self, mem_type: str = "DRAM", device_id: int = 0) -> None:
+        """``mem_type``: NIXL's name of the memory registered and moved (``DRAM``, or ``VRAM``
+        of GPU ``device_id``)."""
+        self.mem_type, self.device_id = mem_type, device_id
         os.environ.setdefault("UCX_MODULES", "^efa")
         from nixl import _api
 
@@ -140,15 +143,15 @@ class RawNixl:
             _api.nixlBind.nixlAgent = make
         self.peer = ""
 
-    @staticmethod
-    def _triples(ranges: Sequence[tuple[int, int]]) -> npt.NDArray[np.uint64]:
-        return np.array([(a, n, 0) for a, n in ranges], dtype=np.uint64).reshape(-1, 3)
+    def _triples(self, ranges: Sequence[tuple[int, int]]) -> npt.NDArray[np.uint64]:
+        dev = self.device_id
+        return np.array([(a, n, dev) for a, n in ranges], dtype=np.uint64).reshape(-1, 3)
 
     def register(self, ranges: Sequence[tuple[int, int]]) -> None:
-        self.agent.register_memory(self._triples(ranges), "DRAM")
+        self.agent.register_memory(self._triples(ranges), self.mem_type)
 
     def deregister(self, ranges: Sequence[tuple[int, int]]) -> None:
-        self.agent.deregister_memory(self.agent.get_reg_descs(self._triples(ranges), "DRAM"))
+        self.agent.deregister_memory(self.agent.get_reg_descs(self._triples(ranges), self.mem_type))
 
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
@@ -162,8 +165,8 @@ class RawNixl:
     def read(self, local: Addrs, remote: Addrs, lengths: Addrs) -> None:
         def descs(addrs: Addrs) -> Any:
             table = np.zeros((len(addrs), 3), dtype=np.uint64)
-            table[:, 0], table[:, 1] = addrs, lengths
-            return self.agent.get_xfer_descs(table, "DRAM")
+            table[:, 0], table[:, 1], table[:, 2] = addrs, lengths, self.device_id
+            return self.agent.get_xfer_descs(table, self.mem_type)
 
         handle = self.agent.initialize_xfer("READ", descs(local), descs(remote), self.peer)
         try:

@@ -5,7 +5,8 @@ msgspec or pyzmq, and no network: the wheels travel with the working tree, whose
 repository's tracked files and the wheels) must stay within the machine's limit (64 MiB a call).
 
 ``python -m benchmarks.gpu.carry fetch`` downloads exactly ``WHEELS`` for CPython 3.12 on
-manylinux x86-64 into ``WHEEL_DIR`` (ignored by git), strips from NIXL's CUDA wheel what the check
+manylinux x86-64 into ``WHEEL_DIR`` (ignored by git), builds kvbridge's own wheel there (its
+entry points name the transports), strips from NIXL's CUDA wheel what the check
 never loads (``STRIP``: its expert-parallel extension, built for other torch versions, 28 MB of the
 wheel's 59), and checks the total against the limit; ``check`` only sizes what is there. On the GPU
 machine the wheels install with ``pip install --no-index --no-deps --target``.
@@ -122,13 +123,19 @@ class Sizes:
 def sizes(wheel_dir: Path = WHEEL_DIR, repo: Path = REPO) -> Sizes:
     """The carried wheels' sizes and the tree's; raises ``CarryError`` when a wheel is missing."""
     found = {p.name: p.stat().st_size for p in sorted(wheel_dir.glob("*.whl"))}
-    for pin in WHEELS:
+    for pin in (*WHEELS, "kvbridge==" + _version(repo)):
         prefix = pin.split("==")[0].replace("-", "_") + "-" + pin.split("==")[1] + "-"
         if not any(name.startswith(prefix) for name in found):
             raise CarryError(
                 f"{pin} is not in {wheel_dir}: run python -m benchmarks.gpu.carry fetch"
             )
     return Sizes(found, tracked_bytes(repo))
+
+
+def _version(repo: Path) -> str:
+    import tomllib
+
+    return str(tomllib.loads((repo / "pyproject.toml").read_text())["project"]["version"])
 
 
 def fetch(wheel_dir: Path = WHEEL_DIR) -> None:
@@ -143,6 +150,11 @@ def fetch(wheel_dir: Path = WHEEL_DIR) -> None:
     done = subprocess.run([*cmd, *WHEELS], capture_output=True, text=True)
     if done.returncode != 0:
         raise CarryError(f"pip download failed: {done.stderr.strip().splitlines()[-1:]}")
+    # kvbridge itself, so that its entry points (the transports, the pytest plugin) are there
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    done = subprocess.run([*build, "-w", str(wheel_dir), str(REPO)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CarryError(f"building kvbridge's wheel failed: {done.stderr.strip()[-300:]}")
     for wheel in wheel_dir.glob("*.whl"):
         prefixes = STRIP.get(wheel.name.split("-")[0], ())
         if prefixes:

@@ -1,0 +1,344 @@
+"""One request moved between two processes whose caches lie on one device, four ways in one run.
+
+A prefill and a decode process each hold a KV cache of a model shape (``kvbridge.bench.cases``:
+caches in vLLM's shapes, allocated here as torch tensors on the device, filled with seeded random
+bytes) and move the same request, each repetition every way once, in rotating order:
+
+* ``kvbridge``: the control plane's pull over NIXL (D asks P, plans, reads, releases);
+* ``transport``: kvbridge's plan and ``Transport.transfer``, no control plane;
+* ``raw``: NIXL's own Python API on the same descriptor arrays (``benchmarks/raw_engines.py``);
+* ``copy``: one device copy of as many bytes inside the decode process: what the device's memory
+  allows (the limit; on a GPU, device to device).
+
+The first repetition checks every byte D received (against P's cache regenerated from its seed,
+descriptor by descriptor) at the smallest request of each shape. ``kvbridge_us`` is kvbridge's
+own cost per request: its time less the raw engine's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+
+WAYS = ("kvbridge", "transport", "raw", "copy")
+#: (bench case, layers kept): two processes of 128k tokens must fit one 80 GB GPU together.
+SHAPES = (("llama3-70b-dense", 8), ("deepseek-mla", 16), ("qwen3.5-hybrid", 8))
+TOKENS = (1024, 4096, 16384, 65536, 131072)
+PAGE = 1 << 16
+
+
+class ThroughputError(RuntimeError):
+    """A process failed, or the bytes D received are not P's."""
+
+
+class DeviceArena:
+    """Allocations of one device's memory (torch tensors) whose addresses a layout can name."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+        self.buffers: list[tuple[int, Any]] = []
+
+    def allocate(self, size: int) -> int:
+        raw = self.torch.empty(size + PAGE, dtype=self.torch.uint8, device=self.device)
+        start = (-raw.data_ptr()) % PAGE
+        view = raw[start : start + size]
+        self.buffers.append((int(view.data_ptr()), view))
+        return int(view.data_ptr())
+
+    def fill(self, seed: int) -> None:
+        torch = self.torch
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        for _, view in self.buffers:
+            view.copy_(
+                torch.randint(
+                    0, 256, view.shape, dtype=torch.uint8, device=self.device, generator=gen
+                )
+            )
+        self.sync()
+
+    def view(self, addr: int, size: int) -> Any:
+        for base, buf in self.buffers:
+            if base <= addr and addr + size <= base + buf.numel():
+                return buf[addr - base : addr - base + size]
+        raise ThroughputError(f"address {addr:#x} (+{size}) is in no buffer of this arena")
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    @property
+    def vram_device(self) -> int:
+        return int(self.device.index or 0) if self.device.type == "cuda" else -1
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str
+    layers: int
+    tokens: int
+    device: str
+    seed: int
+    timeout: float
+    verify: bool
+
+
+def _cache(case: Case, seed: int) -> tuple[DeviceArena, Any, dict[int, list[int]]]:
+    from kvbridge.bench.cases import CASES, request_ids
+    from kvbridge.core.layout import Layout
+
+    bench = CASES[case.shape]
+    arena = DeviceArena(case.device)
+    blocks = bench.blocks_needed(case.tokens, case.layers) + 2
+    layout = bench.layout(blocks, arena.allocate, case.layers)
+    layout = Layout(msgspec.structs.replace(layout.spec, vram_device=arena.vram_device))
+    arena.fill(seed)
+    # ids as a serving engine's pool hands them out after a while (kvbridge.bench's pattern)
+    ids = request_ids(layout, case.tokens, "realistic", np.random.default_rng(seed))
+    return arena, layout, ids
+
+
+def _ranges(layout: Any) -> list[tuple[int, int]]:
+    return [(r.addr, r.size) for r in layout.registration]
+
+
+class _Prefill:
+    def __init__(self, transport: Any, raw: Any) -> None:
+        self.transport, self.raw = transport, raw
+
+    def case(self, case: Case) -> dict[str, Any]:
+        from kvbridge.control.plane import ControlPlane
+        from kvbridge.core.boundary import remote_prefill_token_count
+
+        self.arena, self.layout, self.ids = _cache(case, case.seed)
+        self.tokens = remote_prefill_token_count(case.tokens, self.layout.has_state)
+        self.plane = ControlPlane(
+            self.layout, self.transport, timeout=case.timeout, lease=4 * case.timeout
+        )
+        self.raw.register(_ranges(self.layout))
+        return {
+            "spec": self.layout.to_json(),
+            "ids": self.ids,
+            "raw": self.raw.metadata(),
+            "bases": [base for base, _ in self.arena.buffers],
+        }
+
+    def publish(self, request_id: str) -> dict[str, Any]:
+        self.plane.poll_finished()
+        return dict(self.plane.publish(request_id, self.ids, self.tokens).to_dict())
+
+    def end_case(self) -> None:
+        self.plane.close()
+        self.raw.deregister(_ranges(self.layout))
+        del self.arena
+
+
+class _Decode:
+    def __init__(self, transport: Any, raw: Any) -> None:
+        self.transport, self.raw = transport, raw
+        self.peer = ""
+
+    def case(self, case: Case, prefill: dict[str, Any]) -> dict[str, Any]:
+        from kvbridge.control.plane import ControlPlane
+        from kvbridge.core.batches import TransferOp
+        from kvbridge.core.layout import Layout
+        from kvbridge.core.planning import plan_transfers
+
+        self.spec = case
+        self.arena, self.layout, self.ids = _cache(case, case.seed + 1)
+        self.p_layout = Layout.from_json(prefill["spec"])
+        self.p_ids = {int(k): v for k, v in prefill["ids"].items()}
+        self.p_bases: list[int] = prefill["bases"]
+        self.plan = plan_transfers(self.p_layout, self.layout, self.p_ids, self.ids)
+        self.arrays = self.plan.local_remote(TransferOp.READ)
+        torch = self.arena.torch
+        self.src = torch.empty(self.plan.nbytes, dtype=torch.uint8, device=self.arena.device)
+        self.dst = torch.empty_like(self.src)
+        self.plane = ControlPlane(
+            self.layout, self.transport, timeout=case.timeout, lease=4 * case.timeout
+        )
+        self.raw.register(_ranges(self.layout))
+        self.raw.connect(prefill["raw"])
+        return {"bytes": self.plan.nbytes, "descriptors": self.plan.count}
+
+    def run(self, way: str, params: dict[str, Any], check: bool) -> dict[str, float]:
+        if check:
+            self._zero()
+        out: dict[str, float] = getattr(self, f"_{way}")(params)
+        if check and way != "copy":
+            self._check(way)
+        return out
+
+    def _kvbridge(self, params: dict[str, Any]) -> dict[str, float]:
+        from kvbridge.control.plane import TransferParams
+
+        request = TransferParams.from_dict(params)
+        start = time.perf_counter()
+        self.plane.pull(request, self.ids)
+        outcome = self.plane.wait(request.request_id, 3 * self.spec.timeout)
+        seconds = time.perf_counter() - start
+        if not outcome.ok:
+            raise ThroughputError(f"kvbridge pull failed: {outcome.reason}")
+        self.peer = request.engine_id
+        return {"seconds": seconds, "plan_seconds": outcome.stats.plan_s}
+
+    def _transport(self, _: object) -> dict[str, float]:
+        from kvbridge.core.batches import TransferOp
+        from kvbridge.core.planning import plan_transfers
+
+        start = time.perf_counter()
+        plan = plan_transfers(self.p_layout, self.layout, self.p_ids, self.ids)
+        self.transport.transfer(TransferOp.READ, self.peer, *plan.local_remote(TransferOp.READ))
+        return {"seconds": time.perf_counter() - start}
+
+    def _raw(self, _: object) -> dict[str, float]:
+        start = time.perf_counter()
+        self.raw.read(*self.arrays)
+        return {"seconds": time.perf_counter() - start}
+
+    def _copy(self, _: object) -> dict[str, float]:
+        self.arena.sync()
+        start = time.perf_counter()
+        self.dst.copy_(self.src)
+        self.arena.sync()
+        return {"seconds": time.perf_counter() - start}
+
+    def _zero(self) -> None:
+        for _, buf in self.arena.buffers:
+            buf.zero_()
+        self.arena.sync()
+
+    def _check(self, way: str) -> None:
+        """Every descriptor's bytes on D equal P's (P's cache regenerated from its seed)."""
+        source, _, _ = _cache(self.spec, self.spec.seed)  # allocated as P allocated its own
+        moved = {base: here for base, (here, _) in zip(self.p_bases, source.buffers, strict=True)}
+        starts = np.array(sorted(self.p_bases), dtype=np.uint64)
+        for d, s, n in zip(*(a.tolist() for a in self.arrays), strict=True):
+            base = int(starts[np.searchsorted(starts, s, side="right") - 1])
+            theirs = source.view(moved[base] + (s - base), n)
+            if not self.arena.torch.equal(self.arena.view(d, n), theirs):
+                raise ThroughputError(f"{way}: D's bytes at {d:#x} (+{n}) are not P's")
+        del source
+
+    def end_case(self) -> None:
+        self.plane.close()
+        self.raw.deregister(_ranges(self.layout))
+        del self.arena, self.src, self.dst
+
+
+def _worker(role: str, conn: Connection, device: str) -> None:
+    try:
+        from kvbridge.bench.cases import load_source_module
+        from kvbridge.core.registry import load_transport
+
+        kind = "VRAM" if device.startswith("cuda") else "DRAM"
+        index = int(device.split(":")[1]) if ":" in device else 0
+        engines = load_source_module("benchmarks/raw_engines.py", "kvbridge_gpu_raw_engines")
+        if engines is None:
+            raise ThroughputError(
+                "run from the source tree: benchmarks/raw_engines.py is the raw side"
+            )
+        raw = engines.RawNixl(kind, index)
+        with load_transport("nixl") as transport:
+            handler = (_Prefill if role == "prefill" else _Decode)(transport, raw)
+            conn.send(("ok", None))
+            while True:
+                call = conn.recv()
+                if call[0] == "stop":
+                    break
+                conn.send(("ok", getattr(handler, call[0])(*call[1:])))
+    except BaseException as err:
+        conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+class _Process:
+    def __init__(self, role: str, device: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(role, child, device), daemon=True)
+        self.proc.start()
+        self.call(120, "ready")
+
+    def call(self, timeout: float, name: str, *args: Any) -> Any:
+        if name != "ready":
+            self.conn.send((name, *args))
+        if not self.conn.poll(timeout):
+            raise ThroughputError(f"no answer to {name} in {timeout:g} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise ThroughputError(value)
+        return value
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(("stop",))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def run(
+    device: str,
+    shapes: tuple[tuple[str, int], ...] = SHAPES,
+    tokens: tuple[int, ...] = TOKENS,
+    reps: int = 5,
+    deadline: float = float("inf"),
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """One row per shape and request size: bytes, descriptors, median seconds and GB/s per way,
+    kvbridge's own cost; stops adding sizes once ``deadline`` (``time.monotonic``) passed."""
+    rows: list[dict[str, Any]] = []
+    prefill, decode = _Process("prefill", device), _Process("decode", device)
+    try:
+        for shape, layers in shapes:
+            for n, count in enumerate(tokens):
+                if time.monotonic() > deadline:
+                    log(f"throughput: out of time before {shape} at {count} tokens")
+                    return rows
+                case = Case(shape, layers, count, device, 7, 30.0, verify=n == 0)
+                info = decode.call(300, "case", case, prefill.call(300, "case", case))
+                times: dict[str, list[float]] = {w: [] for w in WAYS}
+                for rep in range(reps + 1):
+                    order = WAYS[rep % len(WAYS) :] + WAYS[: rep % len(WAYS)]
+                    for way in order:
+                        params = prefill.call(60, "publish", f"{shape}-{count}-{rep}-{way}")
+                        got = decode.call(300, "run", way, params, rep == 0 and case.verify)
+                        if rep:  # the first repetition connects and checks
+                            times[way].append(got["seconds"])
+                prefill.call(120, "end_case")
+                decode.call(120, "end_case")
+                med = {w: statistics.median(v) for w, v in times.items()}
+                row = {
+                    "shape": shape,
+                    "layers": layers,
+                    "tokens": count,
+                    **info,
+                    **{f"{w}_s": med[w] for w in WAYS},
+                    **{f"{w}_gbps": info["bytes"] / med[w] / 1e9 for w in WAYS},
+                    "kvbridge_us": (med["kvbridge"] - med["raw"]) * 1e6,
+                    "checked": case.verify,
+                }
+                rows.append(row)
+                log(
+                    f"throughput: {shape} {count} tokens, {info['bytes'] / 2**20:.1f} MiB in "
+                    f"{info['descriptors']} descriptors: "
+                    + ", ".join(f"{w} {row[f'{w}_gbps']:.2f} GB/s" for w in WAYS)
+                )
+    finally:
+        prefill.stop()
+        decode.stop()
+    return rows
