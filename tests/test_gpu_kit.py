@@ -37,6 +37,11 @@ def test_the_gpu_check_rehearses_every_phase_on_the_cpu(tmp_path: Path) -> None:
     assert all(r["bytes"] > 0 and r[f"{w}_s"] > 0 for r in rows for w in ("kvbridge", "raw"))
     assert sum(r["checked"] for r in rows) == 3  # every shape's bytes checked once
     assert (out / "throughput.md").read_text().count("\n") == len(rows) + 2
+    streams = json.loads((out / "streaming.json").read_text())
+    # each size ran all three ways, and the layer-wise push moved layers before publish
+    assert [r["tokens"] for r in streams] == [64, 128]
+    assert all(r["forward_s"] > 0 and r["then_whole_s"] > 0 for r in streams)
+    assert all(r["streamed_bytes"] > 0 for r in streams), streams
 
 
 def _wheel(path: Path) -> Path:

@@ -9,13 +9,14 @@
 3. ``throughput``: one request VRAM to VRAM between two processes, dense, MLA and hybrid shapes at
    1k-128k tokens, four ways in one run (``benchmarks.gpu.throughput``: kvbridge, its transport
    alone, the raw NIXL calls, a device copy of as many bytes), the bytes checked at the smallest
-   size of each shape (``throughput.json``, ``throughput.md``).
+   size of each shape (``throughput.json``, ``throughput.md``);
+4. ``streaming``: P runs an 8B model's layer per cache layer on the GPU while each finished
+   layer's KV is pushed to D, against the forward pass alone and the forward pass then the whole
+   transfer (``streaming.json``: times to D's last byte).
 
 Each phase prints progress lines and the whole run stops adding work at ``--budget-s`` (default
 420 s: a device call lasts at most 600). ``--dry-run`` rehearses every phase on the CPU (host
 memory, small requests; the CUDA tests skip with their reason), as ``make test`` does.
-
-Not in this version: layer-wise streaming beside a GPU forward pass (issue 47, item 1.4).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 DRY_SHAPES = (("llama3-70b-dense", 2), ("deepseek-mla", 2), ("qwen3.5-hybrid", 2))
 DRY_TOKENS = (256, 1024)
+DRY_STREAM_TOKENS = (64, 128)
+DRY_HIDDEN = 256
+#: The streaming phase runs its first size even when the throughput phase used the budget up.
+STREAM_GRACE_S = 60.0
 
 
 def _log(line: str) -> None:
@@ -151,6 +156,22 @@ def main(argv: list[str] | None = None) -> int:
         failed = True
     (args.out / "throughput.json").write_text(json.dumps(rows, indent=1))
     (args.out / "throughput.md").write_text(table(rows))
+
+    _log("streaming: P's forward pass with each layer pushed as it is computed")
+    streams: list[dict[str, Any]] = []
+    try:
+        streams = throughput.run_streaming(
+            device,
+            DRY_SHAPES[0] if args.dry_run else throughput.SHAPES[0],
+            DRY_STREAM_TOKENS if args.dry_run else throughput.STREAM_TOKENS,
+            DRY_HIDDEN if args.dry_run else throughput.HIDDEN,
+            deadline=deadline + STREAM_GRACE_S,
+            log=_log,
+        )
+    except throughput.ThroughputError as err:
+        _log(f"streaming failed: {err}")
+        failed = True
+    (args.out / "streaming.json").write_text(json.dumps(streams, indent=1))
     _log(f"done in {time.monotonic() - start:.0f} s; tables in {args.out}")
     return 1 if failed else 0
 

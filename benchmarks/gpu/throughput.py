@@ -122,6 +122,7 @@ class _Prefill:
         from kvbridge.control.plane import ControlPlane
         from kvbridge.core.boundary import remote_prefill_token_count
 
+        self.spec = case
         self.arena, self.layout, self.ids = _cache(case, case.seed)
         self.tokens = remote_prefill_token_count(case.tokens, self.layout.has_state)
         self.plane = ControlPlane(
@@ -133,16 +134,81 @@ class _Prefill:
             "ids": self.ids,
             "raw": self.raw.metadata(),
             "bases": [base for base, _ in self.arena.buffers],
+            "engine_id": self.plane.engine_id,
+            "endpoint": self.plane.endpoint,
+            "layers": _paged_layers(self.layout),
         }
 
     def publish(self, request_id: str) -> dict[str, Any]:
         self.plane.poll_finished()
         return dict(self.plane.publish(request_id, self.ids, self.tokens).to_dict())
 
+    def forward(self, hidden: int, stream: str = "", token: str = "") -> dict[str, float]:
+        """P's forward pass over the request's tokens, one transformer layer of ``hidden`` per
+        layer of the cache; with ``stream`` (a request D asked to have pushed layer by layer),
+        each layer's KV is handed to kvbridge as soon as that layer is computed, and the request
+        is published after the last. Wall-clock start and end (``time.time``)."""
+        from kvbridge.control.plane import Mode
+
+        if stream:  # D's push request must have reached P: the stream writes to it
+            deadline = time.monotonic() + 30
+            while not any(k[0] == stream for k in self.plane._prefill._pending_push):
+                if time.monotonic() > deadline:
+                    raise ThroughputError("D's layer-wise push request never reached P")
+                time.sleep(0.001)
+        work = _LayerWork(self.arena, self.spec.tokens, hidden)
+        self.arena.sync()
+        start = time.time()
+        streamed = 0
+        for layer in _paged_layers(self.layout):
+            work.run()
+            if stream:
+                self.arena.sync()  # the layer's KV is written before its bytes move
+                streamed += self.plane.stream(stream, token, self.ids, [layer])
+        self.arena.sync()
+        end = time.time()
+        if stream:
+            self.plane.publish(stream, self.ids, self.tokens, Mode.PUSH, token)
+        return {"start": start, "end": end, "streamed": streamed}
+
     def end_case(self) -> None:
         self.plane.close()
         self.raw.deregister(_ranges(self.layout))
         del self.arena
+
+
+def _paged_layers(layout: Any) -> list[str]:
+    """The layers whose KV a forward pass computes one by one, in the layout's order."""
+    from kvbridge.core.groups import GroupKind
+
+    names: list[str] = []
+    for t in layout.spec.tensors:
+        if layout.groups[t.group_index].kind is not GroupKind.STATE and t.layer_name not in names:
+            names.append(t.layer_name)
+    return names
+
+
+class _LayerWork:
+    """One transformer layer's work at ``tokens`` tokens and width ``hidden`` (an 8B model's
+    layer at 4096): the QKV, output and MLP projections and causal attention, on one stream."""
+
+    def __init__(self, arena: DeviceArena, tokens: int, hidden: int) -> None:
+        torch = arena.torch
+        dtype = torch.bfloat16 if arena.device.type == "cuda" else torch.float32
+        self.torch, self.heads = torch, max(1, hidden // 128)
+        make = lambda *shape: torch.randn(*shape, dtype=dtype, device=arena.device) * 0.02  # noqa: E731
+        self.x = make(tokens, hidden)
+        self.qkv, self.o = make(hidden, 3 * hidden), make(hidden, hidden)
+        self.up, self.down = make(hidden, 7 * hidden), make(7 * hidden // 2, hidden)
+
+    def run(self) -> None:
+        torch, x = self.torch, self.x
+        q, k, v = (t.reshape(1, -1, self.heads, t.shape[-1] // self.heads).transpose(1, 2)
+                   for t in (x @ self.qkv).chunk(3, dim=-1))  # fmt: skip
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = att.transpose(1, 2).reshape(x.shape) @ self.o
+        gate, up = (h @ self.up).chunk(2, dim=-1)
+        self.out = (torch.nn.functional.silu(gate) * up) @ self.down
 
 
 class _Decode:
@@ -214,6 +280,29 @@ class _Decode:
         self.dst.copy_(self.src)
         self.arena.sync()
         return {"seconds": time.perf_counter() - start}
+
+    def push_layerwise(self, params: dict[str, Any]) -> None:
+        """Ask P to push the request layer by layer (before P computed it: the concurrent
+        dispatch); returns at once."""
+        from kvbridge.control.plane import TransferParams
+
+        self._zero()
+        self.plane.push(TransferParams.from_dict(params), self.ids)
+
+    def pull_whole(self, params: dict[str, Any]) -> None:
+        from kvbridge.control.plane import TransferParams
+
+        self._zero()
+        self.plane.pull(TransferParams.from_dict(params), self.ids)
+
+    def wait_done(self, request_id: str) -> dict[str, float]:
+        """When the load ended (``time.time``); its bytes checked against P's."""
+        outcome = self.plane.wait(request_id, 3 * self.spec.timeout)
+        done = time.time()
+        if not outcome.ok:
+            raise ThroughputError(f"load of {request_id} failed: {outcome.reason}")
+        self._check("layer-wise" if outcome.stats.streamed_nbytes else "whole")
+        return {"done": done, "streamed": outcome.stats.streamed_nbytes}
 
     def _zero(self) -> None:
         for _, buf in self.arena.buffers:
@@ -338,6 +427,81 @@ def run(
                     f"{info['descriptors']} descriptors: "
                     + ", ".join(f"{w} {row[f'{w}_gbps']:.2f} GB/s" for w in WAYS)
                 )
+    finally:
+        prefill.stop()
+        decode.stop()
+    return rows
+
+
+#: The capability token of the layer-wise runs (a router's, given to P and D up front).
+STREAM_TOKEN = "gpu-check-stream"
+#: Layer-wise streaming: the dense shape at prompt sizes where P's forward pass takes long enough
+#: to hide a transfer behind, with an 8B model's layer as each layer's work.
+STREAM_TOKENS = (2048, 8192, 16384)
+HIDDEN = 4096
+
+
+def run_streaming(
+    device: str,
+    shape: tuple[str, int] = SHAPES[0],
+    tokens: tuple[int, ...] = STREAM_TOKENS,
+    hidden: int = HIDDEN,
+    deadline: float = float("inf"),
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Per prompt size: P's forward pass alone; the forward pass, then the whole request moved
+    (kvbridge's pull); the forward pass with each layer pushed to D as it is computed. Times to
+    D's last byte from the start of the forward pass (wall clock, one host), second runs (the
+    first ones connect)."""
+    from kvbridge.core.boundary import remote_prefill_token_count
+
+    rows: list[dict[str, Any]] = []
+    prefill, decode = _Process("prefill", device), _Process("decode", device)
+    try:
+        for count in tokens:
+            if time.monotonic() > deadline:
+                log(f"streaming: out of time before {count} tokens")
+                break
+            case = Case(shape[0], shape[1], count, device, 11, 30.0, verify=False)
+            info = prefill.call(300, "case", case)
+            decode.call(300, "case", case, info)
+            runs: dict[str, float] = {}
+            for attempt in range(2):
+                fwd = prefill.call(300, "forward", hidden)
+                runs["forward"] = fwd["end"] - fwd["start"]
+                rid = f"whole-{count}-{attempt}"
+                fwd = prefill.call(300, "forward", hidden)
+                decode.call(60, "pull_whole", prefill.call(60, "publish", rid))
+                runs["then_whole"] = decode.call(300, "wait_done", rid)["done"] - fwd["start"]
+                rid = f"stream-{count}-{attempt}"
+                layerwise = {
+                    "request_id": rid,
+                    "engine_id": info["engine_id"],
+                    "endpoint": info["endpoint"],
+                    "block_ids": {},
+                    "num_tokens": remote_prefill_token_count(count, False),
+                    "transport": "nixl",
+                    "mode": "push",
+                    "token": STREAM_TOKEN,
+                    "layerwise": True,
+                }
+                decode.call(60, "push_layerwise", layerwise)
+                fwd = prefill.call(300, "forward", hidden, rid, STREAM_TOKEN)
+                done = decode.call(300, "wait_done", rid)
+                runs["layerwise"] = done["done"] - fwd["start"]
+                runs["streamed_bytes"] = float(done["streamed"])
+            prefill.call(120, "end_case")
+            decode.call(120, "end_case")
+            row = {"shape": shape[0], "layers": shape[1], "tokens": count, "hidden": hidden}
+            row.update({f"{k}_s" if k != "streamed_bytes" else k: v for k, v in runs.items()})
+            row["then_whole_x"] = runs["then_whole"] / runs["forward"]
+            row["layerwise_x"] = runs["layerwise"] / runs["forward"]
+            rows.append(row)
+            log(
+                f"streaming: {count} tokens: forward {runs['forward'] * 1e3:.1f} ms; then the "
+                f"whole request {row['then_whole_x']:.2f}x; layer by layer "
+                f"{row['layerwise_x']:.2f}x"
+            )
     finally:
         prefill.stop()
         decode.stop()
