@@ -21,7 +21,7 @@ pytestmark = E2E
 def test_two_prefills_two_decodes_behind_vllm_router(
     reference: Callable[[str], Reference], tmp_path: object
 ) -> None:
-    from tests.adapters.vllm.e2e.serve_xpyd import IN_FLIGHT, PARTIAL_PREFIX, run_xpyd
+    from tests.adapters.vllm.e2e.serve_xpyd import IN_FLIGHT, LEASE_S, PARTIAL_PREFIX, run_xpyd
 
     ref = reference("llama_xpyd")
     summary = run_xpyd(ref, transport="mooncake", mode="pull", work_dir=str(tmp_path))
@@ -54,10 +54,15 @@ def test_two_prefills_two_decodes_behind_vllm_router(
     # of its two) and once to the other.
     assert min(r["bytes"] for r in edge["repeated"]) == block_bytes, edge
 
-    # The client left after P answered: D, which had not scheduled the request, told P to
-    # free its blocks (no load), long before the lease.
+    # The client left after P answered: D's engine, resumed only once its API server had
+    # aborted the request, ended it and told P to free its blocks, long before the lease
+    # (``disconnect`` waits for that within LEASE_S). The resumed engine finds the request and
+    # its abort queued together; where it drains the request before the abort has been read
+    # off its socket, it schedules it for one step and its load starts (seen once in two CI
+    # runs): at most that one load, and P's blocks freed all the same.
     gone = summary["disconnect"]
-    assert gone["p_usage_held"] > 0 and gone["d_loads_meanwhile"] == 0, gone
+    assert gone["p_usage_held"] > 0 and gone["d_loads_meanwhile"] <= 1, gone
+    assert gone["freed_after_resume_s"] < LEASE_S, gone
 
     # Nothing stays held: KV usage back to 0 everywhere, no lease ended by its timer.
     assert summary["lease_expiries"] == 0, summary
