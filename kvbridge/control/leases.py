@@ -98,7 +98,10 @@ class _Readers:
         return (s * self.tp_size + r for s in range(self.pp_size) for r in self.ranks)
 
     def __contains__(self, reader: object) -> bool:
-        return isinstance(reader, int) and reader in set(self)
+        if not isinstance(reader, int) or reader < 0:
+            return False
+        stage, rank = divmod(reader, self.tp_size)
+        return stage < self.pp_size and rank in self.ranks
 
     def __str__(self) -> str:
         return _span(self.ranks) + _stages(self.pp_size)
