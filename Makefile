@@ -169,7 +169,9 @@ clean:
 # published run and regenerates its results pages (docs/results/) and charts.
 # kvbridge beside vLLM's own Mooncake planning code is a script of the tree, not a subcommand:
 # $(BIN)/python benchmarks/vllm_planning.py --help
-.PHONY: bench bench-docs
+# `make bench-scale`: one rank among many (benchmarks/scale.py): fan-out to 256 D ranks, fan-in
+# from 128 P ranks, requests in flight to 1024; writes docs/results/scale.md and its charts.
+.PHONY: bench bench-docs bench-scale
 
 bench: $(STAMP)
 	$(BIN)/kvbridge bench
@@ -177,6 +179,10 @@ bench: $(STAMP)
 bench-docs: $(STAMP)
 	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/publish.py
+
+bench-scale: $(STAMP)
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/scale.py
 
 # The GPU check (benchmarks/gpu, issue 47). `make gpu-kit` here fetches and sizes the wheels the
 # GPU machine lacks (.whl-gpu, ignored); `make gpu-check` there (CUDA, torch, no registry)

@@ -268,6 +268,11 @@ class PeerClient:
     runs it again, once, if the endpoint answers that it does not know us (it restarted at the
     same address); a timeout resets the socket so a late reply can never be taken for the next
     one.
+
+    ``context``: the zmq context to open the socket in, shared by every client of an engine
+    (a context costs two OS threads and a few descriptors: one per client would grow with the
+    fleet); the caller terminates it after closing its clients. Without one the client has a
+    context of its own, terminated by ``close``.
     """
 
     def __init__(
@@ -277,13 +282,19 @@ class PeerClient:
         *,
         secret: bytes | None = None,
         timeout: float = 5.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         self.address = address
         self.engine_id = engine_id
         self.timeout = timeout
         self.remote_engine_id: str | None = None
         self._secret = secret
-        self._context = zmq.Context()
+        self._owns_context = context is None
+        self._context: zmq.Context[zmq.Socket[bytes]] = (
+            zmq.Context() if context is None else context
+        )
+        #: ``time.monotonic()`` of the last call's end (``idle_since``)
+        self._last_used = time.monotonic()
         self._lock = threading.Lock()
         self._seq = 0
         self._socket: zmq.Socket[bytes] | None = None
@@ -295,7 +306,30 @@ class PeerClient:
     def close(self) -> None:
         with self._lock:
             self._reset()
-            self._context.term()
+            if self._owns_context:
+                self._context.term()
+
+    def release_if_idle(self, idle_for: float) -> bool:
+        """Close the connection when no call used it for ``idle_for`` seconds and none is under
+        way; the next call connects and authenticates again. Whether it was released.
+
+        Nothing is lost: a call waits for its reply, so between calls no message of this
+        client is in flight.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False  # a call is under way
+        try:
+            if self._socket is None or time.monotonic() - self._last_used < idle_for:
+                return False
+            self._reset()
+            return True
+        finally:
+            self._lock.release()
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client holds a socket (it opens one at its next call otherwise)."""
+        return self._socket is not None
 
     def _reset(self) -> None:
         if self._socket is not None:
@@ -358,6 +392,8 @@ class PeerClient:
             except (PeerTimeoutError, PeerRefusedError, ControlError):
                 self._reset()
                 raise
+            finally:
+                self._last_used = time.monotonic()
 
     def _authenticate(self, deadline: float) -> None:
         nonce = auth.new_nonce()

@@ -25,6 +25,9 @@ class Deadlines:
     handshake_timeout: float = 10.0
     #: how long P holds a published request no D rank claimed (None: ``claim`` derives it)
     claim_timeout: float | None = None
+    #: how long a side-channel connection may stay unused before it is closed (None: ``quiet``
+    #: derives it)
+    quiet_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout", "lease", "handshake_timeout"):
@@ -103,6 +106,15 @@ class Deadlines:
     def fence_round(self) -> float:
         """One wait for a given-up transfer's fence; the wait repeats (logged) until it ends."""
         return self.timeout
+
+    @property
+    def quiet(self) -> float:
+        """A side-channel connection no call used for this long is closed (and made again at the
+        next call, one authentication round trip): the lease, but at least a minute, so that a
+        peer with steady traffic never pays it and one that left costs nothing after."""
+        if self.quiet_timeout is not None:
+            return self.quiet_timeout
+        return max(60.0, self.lease)
 
     @property
     def retry_pause(self) -> float:

@@ -22,6 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
+import zmq
+
 from kvbridge.control.channel import PeerClient
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.messages import Handshake, Ping
@@ -99,13 +101,22 @@ class Handshakes:
         self._metadata = ctx.transport.metadata()
         self._remotes: dict[str, RemoteEngine] = {}  # by engine id (peers that handshook us)
         self._by_endpoint: dict[str, RemoteEngine] = {}  # engines we handshook, by endpoint
+        #: when each peer engine was last looked up for a request (``release_quiet``)
+        self._used: dict[str, float] = {}
         self._clients: dict[str, PeerClient] = {}
         self._handshake_gates: dict[str, threading.Lock] = {}
+        #: one zmq context for every client: its I/O thread serves them all (a context per
+        #: client cost two OS threads and ~6 descriptors per peer)
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._last_sweep = time.monotonic()
 
     def peer(self, engine_id: str) -> RemoteEngine | None:
         """The engine that handshook us under ``engine_id``, if any."""
         with self._lock:
-            return self._remotes.get(engine_id)
+            remote = self._remotes.get(engine_id)
+            if remote is not None:
+                self._used[engine_id] = time.monotonic()
+            return remote
 
     def at(self, endpoint: str) -> RemoteEngine | None:
         """The engine we last handshook at ``endpoint``, if any."""
@@ -122,14 +133,77 @@ class Handshakes:
                     self._ctx.engine_id,
                     secret=self._secret,
                     timeout=self._ctx.deadlines.call,
+                    context=self._context,
                 )
                 self._clients[endpoint] = client
             return client
+
+    def release_quiet(self, now: float) -> int:
+        """Close the side-channel connections no call used for ``Deadlines.quiet`` (a peer that
+        left, or has had nothing to say): a connection to a peer that is gone would otherwise be
+        retried by zmq for good. The next call to the peer connects again. Sweeps at most every
+        quarter of that bound (it runs on the endpoint's tick); returns how many it closed."""
+        quiet = self._ctx.deadlines.quiet
+        if now - self._last_sweep < quiet / 4:
+            return 0
+        self._last_sweep = now
+        with self._lock:
+            clients = list(self._clients.values())
+        released = sum(client.release_if_idle(quiet) for client in clients)
+        released += self._release_transports(now - quiet)
+        if released:
+            log.debug("released %d connection(s) quiet for %.0f s", released, quiet)
+        return released
+
+    def _release_transports(self, before: float) -> int:
+        """Disconnect the transport from peers no request looked up since ``before`` and with
+        nothing in flight to them (``Transport.disconnect_idle``: fenced); D handshakes again
+        at its next request to such a P, P reconnects at its next push to such a D."""
+        with self._lock:
+            quiet = [e for e, used in self._used.items() if used < before]
+        released = 0
+        for engine_id in quiet:
+            gates = [
+                self._handshake_gates.get(endpoint)
+                for endpoint, remote in list(self._by_endpoint.items())
+                if remote.engine_id == engine_id
+            ]
+            held = [g for g in gates if g is not None and g.acquire(blocking=False)]
+            try:
+                if len(held) != len(gates):
+                    continue  # a handshake with it is under way
+                with self._lock:
+                    if self._used.get(engine_id, before) >= before:
+                        continue  # looked up meanwhile
+                    # Whether connected or not, forgotten here: a D that left for good costs
+                    # nothing after; a P that answers again is met by a new handshake.
+                    if not self._ctx.transport.disconnect_idle(engine_id):
+                        continue  # a batch to it is still in flight: the next sweep
+                    released += 1
+                    del self._used[engine_id]
+                    for endpoint, remote in list(self._by_endpoint.items()):
+                        if remote.engine_id == engine_id:
+                            del self._by_endpoint[endpoint]
+                    answered = self._remotes.get(engine_id)
+                    if answered is not None and answered.start_connect is not None:
+                        with answered._lock:
+                            answered.connected = None  # a push reconnects (``connect_soon``)
+            finally:
+                for gate in held:
+                    gate.release()
+        return released
+
+    @property
+    def open_connections(self) -> int:
+        """Side-channel connections to peers open now (each re-opened on demand)."""
+        with self._lock:
+            return sum(client.connected for client in self._clients.values())
 
     def close(self) -> None:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        self._context.term()
 
     # -- answering a peer -------------------------------------------------------------------------
     def answer(self, body: Handshake) -> Handshake:
@@ -206,6 +280,7 @@ class Handshakes:
             try:
                 remote = self.at(address.endpoint)
                 if remote is not None and remote.engine_id == address.engine_id:
+                    self._used[remote.engine_id] = time.monotonic()
                     return remote
             finally:
                 gate.release()
@@ -319,4 +394,5 @@ class Handshakes:
         remote = RemoteEngine(reply.engine_id, remote_layout, params.endpoint)
         with self._lock:
             self._by_endpoint[params.endpoint] = remote
+            self._used[reply.engine_id] = time.monotonic()
         return remote

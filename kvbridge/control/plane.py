@@ -79,6 +79,10 @@ __all__ = [
 ]
 
 
+#: Handshakes ``connect_early`` runs at once (threads); the others queue behind them.
+EARLY_HANDSHAKES = 16
+
+
 def default_engine_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -344,8 +348,11 @@ class ControlPlane:
         none. Each ends with the engine met there, or ``None`` (logged) when none answered
         within ``patience`` seconds (P may still be loading its model) or it refused."""
         # Threads of their own: a P not up yet holds one for up to handshake_timeout, which
-        # must not take the workers requests use. The pool ends when its tasks do.
-        pool = ThreadPoolExecutor(max(1, len(endpoints)), thread_name_prefix="kvbridge-early")
+        # must not take the workers requests use. The pool ends when its tasks do; bounded, as
+        # a D rank of a large fleet names hundreds of P ranks (a handshake mostly waits).
+        pool = ThreadPoolExecutor(
+            max(1, min(len(endpoints), EARLY_HANDSHAKES)), thread_name_prefix="kvbridge-early"
+        )
         try:
             return [pool.submit(self._peers.prefetch, e, patience) for e in endpoints]
         finally:
@@ -393,6 +400,7 @@ class ControlPlane:
         now = time.monotonic()
         self._prefill.expire(now)
         self._decode.expire(now)
+        self._peers.release_quiet(now)
 
 
 #: How this engine answers a request from the peer engine ``peer``: a reply, or a future of one

@@ -320,6 +320,13 @@ class TransportContract(abc.ABC, metaclass=_CheckedOptions):
     def disconnect(self, peer: str) -> None:
         """Forget ``peer``; unknown peers are ignored."""
 
+    @abc.abstractmethod
+    def disconnect_idle(self, peer: str) -> bool:
+        """Forget ``peer`` unless a batch to it is unfinished or holds engine work (until every
+        one is drained, something of it may still move); False when the peer stays known for
+        that reason, True otherwise (an unknown peer included). The control plane releases
+        peers that went quiet with it; ``connect`` makes the peer known again."""
+
     # -- transfers ----------------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -6,6 +6,11 @@ it ends. A lane is one thread per peer that makes every engine call moving bytes
 waits for chunks in submission order, skips chunks of batches that already failed, timed out or
 were released, and starts a failed chunk again ``retries`` times while its deadline has not passed.
 
+A lane's thread ends once the lane has been idle for ``IDLE_EXIT_S`` (nothing queued, nothing
+in the engine) and the next ``put`` starts another: a peer that is quiet holds no thread, so the
+threads follow the peers being moved to now, not every peer ever connected (a D rank of a large
+fleet connects to hundreds of P ranks).
+
 The lane reaches its transport through a weak reference, so a transport dropped without ``close``
 is collected (its finalizer stops the lanes); during an engine call the lane holds it. It is typed
 on the hooks (``BlockingEngineHooks``), never on the kit, which imports this module.
@@ -22,6 +27,10 @@ from typing import Any
 from kvbridge.core.batches import Chunk
 from kvbridge.core.engine_hooks import BlockingEngineHooks
 from kvbridge.core.errors import ChunkRefused, PeerError, TransportError
+
+#: Seconds a lane's thread waits for work before it ends (a thread start costs ~0.1 ms; a peer
+#: with steady traffic never waits this long).
+IDLE_EXIT_S = 5.0
 
 
 class _Dropped(Exception):
@@ -42,17 +51,30 @@ class Lane:
         self._queue: deque[Chunk] = deque()
         self._stopping = False
         self._reached = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvbridge-{transport.name}[{label}]", daemon=True
-        )
+        self._name = f"kvbridge-{transport.name}[{label}]"
+        self._thread: threading.Thread | None = None
+        with self._cond:
+            self._start_thread()
+
+    def _start_thread(self) -> None:  # condition held
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the lane holds a thread now (it ends after ``IDLE_EXIT_S`` without work)."""
+        with self._cond:
+            return self._thread is not None
 
     def put(self, chunks: list[Chunk]) -> None:
         with self._cond:
             if self._stopping:
                 raise PeerError(f"peer {self.label} is being disconnected")
             self._queue.extend(chunks)
-            self._cond.notify()
+            if self._thread is None:
+                self._start_thread()
+            else:
+                self._cond.notify()
 
     def stop(self, reason: str) -> None:
         """Fail queued chunks, stop accepting work; chunks in the engine are still waited for."""
@@ -64,8 +86,12 @@ class Lane:
             chunk.handle.fail(f"{chunk.handle.describe()} failed: {reason}")
 
     def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        with self._cond:
+            thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def _transport(self) -> BlockingEngineHooks:
         transport = self._owner()
@@ -83,12 +109,15 @@ class Lane:
         inflight: deque[Chunk] = deque()
         count = 0  # descriptors handed to the engine and not yet waited for
         try:
-            self._reach()  # warm-up at connect; a failure is retried before the first chunk
+            if not self._reached:
+                self._reach()  # warm-up at connect; a failure is retried before the first chunk
             while True:
                 start: list[Chunk] = []
                 with self._cond:
                     while not self._queue and not inflight and not self._stopping:
-                        self._cond.wait()
+                        if not self._cond.wait(IDLE_EXIT_S) and not self._queue:
+                            self._thread = None  # idle: the next put starts another
+                            return
                     if self._stopping and not inflight:
                         return
                     while self._queue:

@@ -141,6 +141,8 @@ class Transport(TransportContract):
         self._ranges = RegisteredRanges()
         self._devices: dict[DeviceKey, RegisteredRanges] = {}
         self._peers: dict[str, Any] = {}  # peer name -> the plugin's peer state
+        #: batches per peer that may not be drained yet (pruned at each submit to the peer)
+        self._batches: dict[str, list[TransferHandle]] = {}
         self._wide_listeners: list[str] = []  # set by plugins whose engine listens
         # The engine model, chosen once: no method of the kit asks which it is.
         self._driver: EngineDriver[Any] = (
@@ -354,8 +356,27 @@ class Transport(TransportContract):
             if not self._closed and peer in self._peers:
                 self._forget(peer, f"peer {peer!r} was disconnected")
 
+    def disconnect_idle(self, peer: str) -> bool:
+        with self._lock:
+            if self._closed or peer not in self._peers:
+                return True
+            if self._undrained(peer):
+                return False
+            self._forget(peer, f"peer {peer!r} was released while idle")
+            return True
+
+    def _undrained(self, peer: str) -> list[TransferHandle]:
+        """The batches to ``peer`` not drained yet (lock held); forgets the drained ones."""
+        live = [h for h in self._batches.get(peer, ()) if not h.drained]
+        if live:
+            self._batches[peer] = live
+        else:
+            self._batches.pop(peer, None)
+        return live
+
     def _forget(self, peer: str, reason: str) -> None:
         """Drop a peer name (lock held): fail its batches, then forget it in the engine."""
+        self._batches.pop(peer, None)
         state = self._peers.pop(peer)
         self._driver.forget(peer, state, self._peers.values(), reason)
         self._disconnect_engine(peer, state)
@@ -395,6 +416,9 @@ class Transport(TransportContract):
             if not chunks:  # nothing to move
                 handle.finish_empty()
                 return handle
+            live = self._undrained(peer)
+            live.append(handle)
+            self._batches[peer] = live
             after = self._driver.start(state, handle, chunks)
         if after is not None:
             after()

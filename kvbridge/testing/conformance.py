@@ -628,6 +628,32 @@ class TransportConformance:
         assert_same_bytes(peer_bytes(third), expected, "third peer's buffer")
         assert_same_bytes(peer_bytes(second), second_expected, "the replaced peer's buffer")
 
+    @pytest.mark.timeout(90)
+    def test_idle_peer_released_then_connected_again(
+        self, make_agent: MakeAgent, spawn_peer: SpawnPeer, peer_bytes: PeerBytes
+    ) -> None:
+        """``disconnect_idle`` (a control plane's release of a quiet peer) never forgets a peer
+        while a batch to it may still move a byte; after it, ``connect`` with the same metadata
+        moves bytes again."""
+        agent = make_agent()
+        agent.buf[:] = random_bytes(32, agent.buf.size)
+        peer = spawn_peer(seed=33)
+        agent.transport.connect("p", peer.metadata)
+        handle = agent.transport.submit(WRITE, "p", agent.at([0]), at(peer, [0]), [8 * MiB])
+        if agent.transport.disconnect_idle("p"):  # only possible once the batch drained
+            assert handle.drained, "an idle release forgot a peer with a batch in flight"
+        else:
+            agent.transport.wait(handle)
+            assert agent.transport.disconnect_idle("p")
+        with pytest.raises(PeerError):
+            agent.transport.submit(WRITE, "p", agent.at([0]), at(peer, [0]), [4096])
+        assert agent.transport.disconnect_idle("p")  # unknown: nothing to keep
+        agent.transport.connect("p", peer.metadata)
+        agent.transport.transfer(WRITE, "p", agent.at([9 * MiB]), at(peer, [9 * MiB]), [MiB])
+        expected = random_bytes(33, peer.size)
+        copy_ranges(expected, [0, 9 * MiB], agent.buf, [0, 9 * MiB], [8 * MiB, MiB])
+        assert_same_bytes(peer_bytes(peer), expected, "peer buffer after release and reconnect")
+
     @pytest.mark.timeout(60)
     def test_close_releases_everything(self, make_agent: MakeAgent, spawn_peer: SpawnPeer) -> None:
         agent = make_agent()

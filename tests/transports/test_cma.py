@@ -10,6 +10,8 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -251,3 +253,60 @@ def test_unavailable_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(TransportUnavailableError, match=r"Linux only.*use mooncake or nixl"):
         CmaTransport.check_available()
+
+
+def test_idle_lane_gives_its_thread_back_and_the_next_batch_starts_one(
+    transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer with nothing to move holds no thread: the lane's thread ends after
+    ``IDLE_EXIT_S``, and the next batch to that peer starts another and moves every byte."""
+    from kvbridge.core import lanes
+
+    monkeypatch.setattr(lanes, "IDLE_EXIT_S", 0.2)
+
+    def lane_threads() -> int:
+        return sum(t.name.startswith("kvbridge-cma[") for t in threading.enumerate())
+
+    local, remote = _self_peer(transport)
+    for round_ in range(3):
+        local[:] = (np.arange(local.size) + round_) % 251
+        transport.transfer(WRITE, "p", [local.ctypes.data], [remote.ctypes.data], [local.size])
+        assert (remote == local).all()
+        assert lane_threads() == 1
+        deadline = time.monotonic() + 10
+        while lane_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lane_threads() == 0, "the idle lane kept its thread"
+
+
+def test_an_idle_peer_is_released_only_once_its_batches_are_drained(
+    transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``disconnect_idle`` keeps a peer while a batch to it may still move bytes (here: a copy
+    held inside the engine call), forgets it once every batch drained; ``connect`` brings it
+    back and bytes move again."""
+    local, remote = _self_peer(transport)
+    local[:] = 3
+    entered, go = threading.Event(), threading.Event()
+    copy = cma._copy
+
+    def held_copy(*args: Any) -> tuple[int, int]:
+        entered.set()
+        go.wait(10)
+        return copy(*args)
+
+    monkeypatch.setattr(cma, "_copy", held_copy)
+    handle = transport.submit(WRITE, "p", [local.ctypes.data], [remote.ctypes.data], [local.size])
+    assert entered.wait(10)
+    assert transport.disconnect_idle("p") is False  # the copy is in the engine
+    go.set()
+    transport.wait(handle)
+    assert (remote == 3).all()
+    assert transport.disconnect_idle("p") is True
+    with pytest.raises(PeerError, match=r"unknown peer 'p'"):
+        transport.submit(WRITE, "p", [local.ctypes.data], [remote.ctypes.data], [local.size])
+    assert transport.disconnect_idle("p") is True  # unknown: nothing kept
+    transport.connect("p", transport.metadata())
+    local[:] = 4
+    transport.transfer(WRITE, "p", [local.ctypes.data], [remote.ctypes.data], [local.size])
+    assert (remote == 4).all()

@@ -1,0 +1,93 @@
+"""The scale benchmark scaled down (``kvbridge.bench.scale``): one rank among 32, in real
+processes over a real transport. What must not grow with the fleet is asserted, never a time:
+
+* every peer's bytes land exactly (D checks each byte of one request per peer);
+* what the hub holds per connected peer is bounded: no thread per peer where it serves reads
+  (P), at most the one lane thread per peer it reads from now (D); a few descriptors and at
+  most two sockets per peer (its side-channel connection and the peer's to it);
+* after half the peers leave, the hub gives back what it held for them once it has been quiet:
+  its side-channel connections are closed, the lanes' threads end, and what it holds returns to
+  its start plus the remaining peers' connections to it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvbridge.bench.scale import Point, ScaleSpec, run_point
+
+PEERS = 32
+#: the hub's worker pools at rest (requests, asks, fences: 4 each) and the zmq contexts' threads
+POOLS = 12 + 4
+
+
+def _common(point: Point) -> None:
+    assert point.failed == []
+    assert point.checked > 0 and point.wrong_bytes == 0
+    assert point.per_peer("sockets") <= 2.5, point.hub_connected
+    assert point.per_peer("fds") <= 7, point.hub_connected
+    rest, start = point.hub_after_leave, point.hub_start
+    assert rest["side_channels"] == 0, rest
+    assert rest["threads"] <= start["threads"] + POOLS, rest
+    # What is left: the remaining peers' own side channels to the hub (theirs stay open: the
+    # peers were not quiet for long), and the zmq contexts' descriptors.
+    remaining = point.peers - point.left
+    assert rest["fds"] <= start["fds"] + 2 * remaining + 16, (rest, start)
+
+
+@pytest.mark.timeout(240)
+def test_one_prefill_rank_serving_32_decode_ranks() -> None:
+    point = run_point(ScaleSpec(per_process=16), "fan-out", PEERS, in_flight=[PEERS], rounds=1,
+                      min_requests=PEERS)  # fmt: skip
+    assert point.checked == PEERS
+    _common(point)
+    # P serves reads: no thread per D rank (its pools and the greeting of each D only).
+    assert point.hub_connected["threads"] <= point.hub_start["threads"] + POOLS
+
+
+@pytest.mark.timeout(240)
+def test_one_decode_rank_loading_from_32_prefill_ranks_of_tp8() -> None:
+    point = run_point(ScaleSpec(per_process=16), "fan-in", PEERS, tp=8, in_flight=[8], rounds=1,
+                      min_requests=8)  # fmt: skip
+    assert point.checked == PEERS // 8
+    _common(point)
+    # D reads from every P rank: a lane thread per rank it reads from now, no more.
+    assert point.hub_connected["threads"] <= point.hub_start["threads"] + PEERS + POOLS
+
+
+def test_a_quiet_prefill_is_released_and_met_again_at_the_next_request() -> None:
+    """D releases the side channel and the transport connection to a P rank it has not asked
+    for ``Deadlines.quiet``; its next request from that P handshakes again and moves every byte.
+    Planes in one process over real side channels and ``cma``."""
+    from kvbridge.bench.scale import _Host
+    from kvbridge.control import auth
+
+    spec = ScaleSpec()
+    p, d = _Host(spec), _Host(spec)
+    try:
+        endpoint = p.start("p", [(0, 0, 1)])[0]["endpoint"]
+        d.start("d", [(0, 0, 1)])
+        plane = d.planes[0].plane
+
+        def pull(rid: str) -> dict:
+            params = p.publish([(rid, auth.new_token(), 0)])[0][0]
+            return d.pull([(0, params)], check=True)
+
+        first = pull("r1")
+        assert first["failed"] == [] and first["wrong_bytes"] == 0
+        assert plane._peers.open_connections == 1 and plane._peers.at(endpoint) is not None
+        d.set_quiet(0.3)
+        deadline = time.monotonic() + 10
+        while plane._peers.at(endpoint) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plane._peers.at(endpoint) is None, "the quiet P was not released"
+        assert plane._peers.open_connections == 0
+        d.set_quiet(600)
+        again = pull("r2")
+        assert again["failed"] == [] and again["wrong_bytes"] == 0
+        assert plane._peers.at(endpoint) is not None  # met again by a handshake
+    finally:
+        p.close()
+        d.close()
