@@ -310,3 +310,39 @@ def test_an_idle_peer_is_released_only_once_its_batches_are_drained(
     local[:] = 4
     transport.transfer(WRITE, "p", [local.ctypes.data], [remote.ctypes.data], [local.size])
     assert (remote == 4).all()
+
+
+def test_a_large_chunk_is_copied_in_two_halves_at_once(
+    transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of ``SPLIT_BYTES`` or more moves as two halves at once (the helper thread takes
+    the first): every byte lands; a failure in the second half names its descriptor in the
+    whole chunk."""
+    size = 8 * cma.SPLIT_BYTES
+    local, remote = _self_peer(transport, size)
+    local[:] = np.arange(size) % 241
+    n = 8
+    step = size // n
+    offsets = [i * step for i in range(n)]
+    args = (
+        [local.ctypes.data + o for o in offsets],
+        [remote.ctypes.data + o for o in reversed(offsets)],
+        [step] * n,
+    )
+    transport.transfer(WRITE, "p", *args)
+    for i, o in enumerate(offsets):
+        got = remote[size - step - o : size - o]
+        assert (got == local[o : o + step]).all(), f"descriptor {i}"
+    assert any(t.name.startswith("kvbridge-cma-copy") for t in threading.enumerate())
+
+    copy = cma._copy
+    second_half = args[0][n // 2]
+
+    def fail_in_second_half(call: Any, pid: int, loc: Any, rem: Any, lengths: Any) -> Any:
+        if int(loc[0]) == second_half:
+            return errno.EFAULT, 1  # its descriptor 1: the chunk's descriptor n/2 + 1
+        return copy(call, pid, loc, rem, lengths)
+
+    monkeypatch.setattr(cma, "_copy", fail_in_second_half)
+    with pytest.raises(TransferError, match=rf"at descriptor {n // 2 + 1}: memory is not mapped"):
+        transport.transfer(WRITE, "p", *args)

@@ -31,11 +31,13 @@ RESULTS = Path(__file__).resolve().parents[4] / ".e2e-results"
 TRANSPORTS = ("mooncake", "nixl")
 
 
-#: The float32 models with both transports; the bf16 ones (within BF16_BOUND) with Mooncake. The
-#: hybrid over NIXL runs in test_tp (P TP 1 -> D TP 2) and the hybrid's bytes over both
-#: transports in the control-plane tests: one engine pair fewer keeps CI under the hour.
+#: MLA float32 with both transports; Llama float32, the hybrid and the bf16 MLA (within
+#: BF16_BOUND) with Mooncake. Over NIXL, Llama runs in test_tp (PP 1 -> 2: push and layer-wise
+#: pull), the hybrid in test_tp (P TP 1 -> D TP 2), and every model's bytes in the control-plane
+#: tests; NIXL's P killed and frozen run here with MLA: engine pairs fewer keep CI under the hour.
 RUNS = [
-    *((name, t) for name in ("llama", "deepseek_mla") for t in TRANSPORTS),
+    *(("deepseek_mla", t) for t in TRANSPORTS),
+    ("llama", "mooncake"),
     ("qwen3_next", "mooncake"),
     ("deepseek_mla_bf16", "mooncake"),
 ]
