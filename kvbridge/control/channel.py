@@ -333,7 +333,8 @@ class PeerClient:
 
     def _reset(self) -> None:
         if self._socket is not None:
-            self._socket.disable_monitor()
+            with contextlib.suppress(zmq.ZMQError):  # the shared context may be ending
+                self._socket.disable_monitor()
             self._socket.close(linger=0)
         if self._monitor is not None:
             self._monitor.close(linger=0)
@@ -389,7 +390,7 @@ class PeerClient:
                 self._authenticated = False
                 self._authenticate(deadline)
                 return self._call(body, deadline)
-            except (PeerTimeoutError, PeerRefusedError, ControlError):
+            except (PeerTimeoutError, PeerRefusedError, ControlError, zmq.ZMQError):
                 self._reset()
                 raise
             finally:

@@ -108,6 +108,7 @@ class Handshakes:
         #: one zmq context for every client: its I/O thread serves them all (a context per
         #: client cost two OS threads and ~6 descriptors per peer)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._closed = False
         self._last_sweep = time.monotonic()
 
     def peer(self, engine_id: str) -> RemoteEngine | None:
@@ -124,10 +125,14 @@ class Handshakes:
             return self._by_endpoint.get(endpoint)
 
     def client(self, endpoint: str) -> PeerClient:
-        """The side-channel client for ``endpoint`` (one per peer, kept until ``close``)."""
+        """The side-channel client for ``endpoint`` (one per peer, kept until ``close``);
+        ``ControlError`` once closing (every client's socket must be closed before the shared
+        context ends)."""
         with self._lock:
             client = self._clients.get(endpoint)
             if client is None:
+                if self._closed:
+                    raise ControlError("closed", f"engine {self._ctx.engine_id} is closing")
                 client = PeerClient(
                     endpoint,
                     self._ctx.engine_id,
@@ -200,9 +205,12 @@ class Handshakes:
             return sum(client.connected for client in self._clients.values())
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        with self._lock:
+            self._closed = True  # no client is made after this: each one is closed below
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for client in clients:
+            client.close()  # waits for a call under way (bounded by its timeout)
         self._context.term()
 
     # -- answering a peer -------------------------------------------------------------------------

@@ -91,3 +91,33 @@ def test_a_quiet_prefill_is_released_and_met_again_at_the_next_request() -> None
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.timeout(60)
+def test_closing_while_early_handshakes_wait_for_absent_prefills() -> None:
+    """A D closing while its early handshakes still wait for P ranks that are not up, or that
+    accept a connection and never answer (frozen), returns: their clients share one zmq
+    context, which ends at close once every client's call has (each bounded by the timeout);
+    every early handshake ends with ``None``."""
+    import socket
+
+    from kvbridge.bench.scale import _Host
+
+    frozen = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # never answer
+    ports = [s.getsockname()[1] for s in frozen]
+    for _ in range(2):  # free ports nothing listens on
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    d = _Host(ScaleSpec(timeout=2.0))
+    try:
+        d.start("d", [(0, 0, 1)])
+        plane = d.planes[0].plane
+        early = plane.connect_early([f"tcp://127.0.0.1:{p}" for p in ports], patience=30)
+        time.sleep(0.5)  # the handshakes are under way or retrying
+        d.close()
+        assert plane.closed
+        assert [f.result(timeout=30) for f in early] == [None] * len(ports)
+    finally:
+        for s in frozen:
+            s.close()
