@@ -489,7 +489,7 @@ def run_point(
             hub.call("set_quiet", spec.quiet_s)
             _gather(crowd, "leave", [(n,) for n in leaving])
             # Past the quiet bound and the lanes' idle exit: what the hub holds at rest.
-            time.sleep(max(2.5 * spec.quiet_s, lanes.IDLE_EXIT_S + 1))
+            time.sleep(max(2.5 * spec.quiet_s, lanes.IDLE_EXIT_S + 3))
             point.left = sum(leaving)
             point.hub_after_leave = hub.call("usage")
         return point
