@@ -293,7 +293,7 @@ class PeerClient:
         self._context: zmq.Context[zmq.Socket[bytes]] = (
             zmq.Context() if context is None else context
         )
-        #: ``time.monotonic()`` of the last call's end (``idle_since``)
+        #: ``time.monotonic()`` of the last call's end (``release_if_idle``)
         self._last_used = time.monotonic()
         self._lock = threading.Lock()
         self._seq = 0

@@ -60,12 +60,6 @@ class Lane:
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
-    @property
-    def running(self) -> bool:
-        """Whether the lane holds a thread now (it ends after ``IDLE_EXIT_S`` without work)."""
-        with self._cond:
-            return self._thread is not None
-
     def put(self, chunks: list[Chunk]) -> None:
         with self._cond:
             if self._stopping:
