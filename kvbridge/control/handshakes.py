@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -73,12 +74,16 @@ class RemoteEngine:
     connected: Future[None] | None = field(default_factory=_done)
     #: starts that connection in the background (set where ``connected`` starts as ``None``)
     start_connect: Callable[[], Future[None]] | None = field(default=None, repr=False)
+    #: when a write to it last asked for the connection (``connect_soon``): a quiet release
+    #: (``Handshakes.release_quiet``) spares a connection a push is about to use
+    used: float = field(default=0.0, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def connect_soon(self) -> Future[None]:
         """The transport's connection to this engine, started now if nothing started it yet;
-        does not block."""
+        does not block. Counts as a use of the connection (it is not released as quiet)."""
         with self._lock:
+            self.used = time.monotonic()
             if self.connected is None:
                 if self.start_connect is None:
                     raise RuntimeError(f"no way to connect to engine {self.engine_id!r}")
@@ -180,18 +185,22 @@ class Handshakes:
                 with self._lock:
                     if self._used.get(engine_id, before) >= before:
                         continue  # looked up meanwhile
-                    # Whether connected or not, forgotten here: a D that left for good costs
-                    # nothing after; a P that answers again is met by a new handshake.
-                    if not self._ctx.transport.disconnect_idle(engine_id):
-                        continue  # a batch to it is still in flight: the next sweep
-                    released += 1
-                    del self._used[engine_id]
-                    for endpoint, remote in list(self._by_endpoint.items()):
-                        if remote.engine_id == engine_id:
-                            del self._by_endpoint[endpoint]
                     answered = self._remotes.get(engine_id)
-                    if answered is not None and answered.start_connect is not None:
-                        with answered._lock:
+                    # Held until ``connected`` is reset: a push asking for the connection
+                    # either marked it used before (spared) or reconnects after.
+                    with answered._lock if answered is not None else nullcontext():
+                        if answered is not None and answered.used >= before:
+                            continue  # a push or layer write asked for it meanwhile
+                        # Whether connected or not, forgotten here: a D that left for good
+                        # costs nothing after; a P that answers again is met by a handshake.
+                        if not self._ctx.transport.disconnect_idle(engine_id):
+                            continue  # a batch to it is still in flight: the next sweep
+                        released += 1
+                        del self._used[engine_id]
+                        for endpoint, remote in list(self._by_endpoint.items()):
+                            if remote.engine_id == engine_id:
+                                del self._by_endpoint[endpoint]
+                        if answered is not None and answered.start_connect is not None:
                             answered.connected = None  # a push reconnects (``connect_soon``)
             finally:
                 for gate in held:

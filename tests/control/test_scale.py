@@ -125,3 +125,34 @@ def test_closing_while_early_handshakes_wait_for_absent_prefills() -> None:
     finally:
         for s in frozen:
             s.close()
+
+
+def test_a_quiet_release_spares_a_connection_a_push_asked_for() -> None:
+    """P releases its transport connection to a D rank no request looked up for
+    ``Deadlines.quiet``, unless a push or layer write asked for that connection since
+    (``RemoteEngine.connect_soon``): a prefill longer than ``quiet`` must not lose the
+    connection between its push's ``wait_connected`` and its write. Once released, the next
+    ``connect_soon`` connects again. Real planes and side channels over ``cma``."""
+    from kvbridge.bench.scale import _Host
+
+    spec = ScaleSpec()
+    p, d = _Host(spec), _Host(spec)
+    try:
+        d_id = d.start("d", [(0, 0, 1)])[0]["engine_id"]
+        d.handshake([p.start("p", [(0, 0, 1)])[0]["endpoint"]])
+        peers = p.planes[0].plane._peers
+        remote = peers.peer(d_id)  # D's push ask looks it up (``Leases``)
+        assert remote is not None
+        looked_up = peers._used[d_id]
+        time.sleep(0.05)
+        remote.connect_soon().result(timeout=30)  # the push, at publish, asks for it
+        quiet_since = looked_up + 0.01  # after the last lookup, before the push's ask
+        assert peers._release_transports(quiet_since) == 0
+        assert remote.connected is not None and remote.connected.done()
+        # With no ask since, it is released, and the next push's ask connects again.
+        assert peers._release_transports(time.monotonic() + 1) == 1
+        assert remote.connected is None and d_id not in peers._used
+        remote.connect_soon().result(timeout=30)
+    finally:
+        p.close()
+        d.close()
