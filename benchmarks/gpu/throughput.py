@@ -17,18 +17,16 @@ own cost per request: its time less the raw engine's.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 import numpy as np
+
+from kvbridge.bench.processes import WorkerProcess
 
 WAYS = ("kvbridge", "transport", "raw", "copy")
 #: (bench case, layers kept): two processes of 128k tokens must fit one 80 GB GPU together.
@@ -114,10 +112,17 @@ def _ranges(layout: Any) -> list[tuple[int, int]]:
     return [(r.addr, r.size) for r in layout.registration]
 
 
-class _Prefill:
+class _Side:
+    """One process's engine: kvbridge's transport (NIXL) and the raw engine beside it."""
+
     def __init__(self, transport: Any, raw: Any) -> None:
         self.transport, self.raw = transport, raw
 
+    def close(self) -> None:
+        self.transport.close()
+
+
+class _Prefill(_Side):
     def case(self, case: Case) -> dict[str, Any]:
         from kvbridge.control.plane import ControlPlane
         from kvbridge.core.boundary import remote_prefill_token_count
@@ -211,9 +216,9 @@ class _LayerWork:
         self.out = (torch.nn.functional.silu(gate) * up) @ self.down
 
 
-class _Decode:
+class _Decode(_Side):
     def __init__(self, transport: Any, raw: Any) -> None:
-        self.transport, self.raw = transport, raw
+        super().__init__(transport, raw)
         self.peer = ""
 
     def case(self, case: Case, prefill: dict[str, Any]) -> dict[str, Any]:
@@ -327,57 +332,30 @@ class _Decode:
         del self.arena, self.src, self.dst
 
 
-def _worker(role: str, conn: Connection, device: str) -> None:
-    try:
-        from kvbridge.bench.cases import load_source_module
-        from kvbridge.core.registry import load_transport
+def _side(role: str, device: str) -> _Side:
+    """A benchmark process's engine (``WorkerProcess`` builds it in the process)."""
+    from kvbridge.bench.cases import load_source_module
+    from kvbridge.core.registry import load_transport
 
-        kind = "VRAM" if device.startswith("cuda") else "DRAM"
-        index = int(device.split(":")[1]) if ":" in device else 0
-        engines = load_source_module("benchmarks/raw_engines.py", "kvbridge_gpu_raw_engines")
-        if engines is None:
-            raise ThroughputError(
-                "run from the source tree: benchmarks/raw_engines.py is the raw side"
-            )
-        raw = engines.RawNixl(kind, index)
-        with load_transport("nixl") as transport:
-            handler = (_Prefill if role == "prefill" else _Decode)(transport, raw)
-            conn.send(("ok", None))
-            while True:
-                call = conn.recv()
-                if call[0] == "stop":
-                    break
-                conn.send(("ok", getattr(handler, call[0])(*call[1:])))
-    except BaseException as err:
-        conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
+    kind = "VRAM" if device.startswith("cuda") else "DRAM"
+    index = int(device.split(":")[1]) if ":" in device else 0
+    engines = load_source_module("benchmarks/raw_engines.py", "kvbridge_gpu_raw_engines")
+    if engines is None:
+        raise ThroughputError("run from the source tree: benchmarks/raw_engines.py is the raw side")
+    raw = engines.RawNixl(kind, index)
+    transport = load_transport("nixl")
+    return (_Prefill if role == "prefill" else _Decode)(transport, raw)
 
 
-class _Process:
-    def __init__(self, role: str, device: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(role, child, device), daemon=True)
-        self.proc.start()
-        self.call(120, "ready")
-
-    def call(self, timeout: float, name: str, *args: Any) -> Any:
-        if name != "ready":
-            self.conn.send((name, *args))
-        if not self.conn.poll(timeout):
-            raise ThroughputError(f"no answer to {name} in {timeout:g} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise ThroughputError(value)
-        return value
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            self.conn.send(("stop",))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+def _start(device: str) -> tuple[WorkerProcess, WorkerProcess]:
+    """The prefill and decode processes, started together, both ready."""
+    sides = tuple(
+        WorkerProcess(_side, role, device, name=role, error=ThroughputError)
+        for role in ("prefill", "decode")
+    )
+    for side in sides:
+        side.ready(120)
+    return sides[0], sides[1]
 
 
 def run(
@@ -391,7 +369,7 @@ def run(
     """One row per shape and request size: bytes, descriptors, median seconds and GB/s per way,
     kvbridge's own cost; stops adding sizes once ``deadline`` (``time.monotonic``) passed."""
     rows: list[dict[str, Any]] = []
-    prefill, decode = _Process("prefill", device), _Process("decode", device)
+    prefill, decode = _start(device)
     try:
         for shape, layers in shapes:
             for n, count in enumerate(tokens):
@@ -399,17 +377,18 @@ def run(
                     log(f"throughput: out of time before {shape} at {count} tokens")
                     return rows
                 case = Case(shape, layers, count, device, 7, 30.0, verify=n == 0)
-                info = decode.call(300, "case", case, prefill.call(300, "case", case))
+                offer = prefill.call("case", case, timeout=300)
+                info = decode.call("case", case, offer, timeout=300)
                 times: dict[str, list[float]] = {w: [] for w in WAYS}
                 for rep in range(reps + 1):
                     order = WAYS[rep % len(WAYS) :] + WAYS[: rep % len(WAYS)]
                     for way in order:
-                        params = prefill.call(60, "publish", f"{shape}-{count}-{rep}-{way}")
-                        got = decode.call(300, "run", way, params, rep == 0 and case.verify)
+                        params = prefill.call("publish", f"{shape}-{count}-{rep}-{way}", timeout=60)
+                        got = decode.call("run", way, params, rep == 0 and case.verify, timeout=300)
                         if rep:  # the first repetition connects and checks
                             times[way].append(got["seconds"])
-                prefill.call(120, "end_case")
-                decode.call(120, "end_case")
+                prefill.call("end_case", timeout=120)
+                decode.call("end_case", timeout=120)
                 med = {w: statistics.median(v) for w, v in times.items()}
                 row = {
                     "shape": shape,
@@ -456,23 +435,24 @@ def run_streaming(
     from kvbridge.core.boundary import remote_prefill_token_count
 
     rows: list[dict[str, Any]] = []
-    prefill, decode = _Process("prefill", device), _Process("decode", device)
+    prefill, decode = _start(device)
     try:
         for count in tokens:
             if time.monotonic() > deadline:
                 log(f"streaming: out of time before {count} tokens")
                 break
             case = Case(shape[0], shape[1], count, device, 11, 30.0, verify=False)
-            info = prefill.call(300, "case", case)
-            decode.call(300, "case", case, info)
+            info = prefill.call("case", case, timeout=300)
+            decode.call("case", case, info, timeout=300)
             runs: dict[str, float] = {}
             for attempt in range(2):
-                fwd = prefill.call(300, "forward", hidden)
+                fwd = prefill.call("forward", hidden, timeout=300)
                 runs["forward"] = fwd["end"] - fwd["start"]
                 rid = f"whole-{count}-{attempt}"
-                fwd = prefill.call(300, "forward", hidden)
-                decode.call(60, "pull_whole", prefill.call(60, "publish", rid))
-                runs["then_whole"] = decode.call(300, "wait_done", rid)["done"] - fwd["start"]
+                fwd = prefill.call("forward", hidden, timeout=300)
+                decode.call("pull_whole", prefill.call("publish", rid, timeout=60), timeout=60)
+                done = decode.call("wait_done", rid, timeout=300)
+                runs["then_whole"] = done["done"] - fwd["start"]
                 rid = f"stream-{count}-{attempt}"
                 layerwise = {
                     "request_id": rid,
@@ -485,13 +465,13 @@ def run_streaming(
                     "token": STREAM_TOKEN,
                     "layerwise": True,
                 }
-                decode.call(60, "push_layerwise", layerwise)
-                fwd = prefill.call(300, "forward", hidden, rid, STREAM_TOKEN)
-                done = decode.call(300, "wait_done", rid)
+                decode.call("push_layerwise", layerwise, timeout=60)
+                fwd = prefill.call("forward", hidden, rid, STREAM_TOKEN, timeout=300)
+                done = decode.call("wait_done", rid, timeout=300)
                 runs["layerwise"] = done["done"] - fwd["start"]
                 runs["streamed_bytes"] = float(done["streamed"])
-            prefill.call(120, "end_case")
-            decode.call(120, "end_case")
+            prefill.call("end_case", timeout=120)
+            decode.call("end_case", timeout=120)
             row = {"shape": shape[0], "layers": shape[1], "tokens": count, "hidden": hidden}
             row.update({f"{k}_s" if k != "streamed_bytes" else k: v for k, v in runs.items()})
             row["then_whole_x"] = runs["then_whole"] / runs["forward"]

@@ -28,19 +28,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import multiprocessing as mp
 import os
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 from kvbridge.adapters.vllm.shards import attention_shards
+from kvbridge.bench.processes import WorkerProcess, gather
 from kvbridge.control import auth
 from kvbridge.control.plane import ControlPlane, TransferParams
 from kvbridge.control.requests import rank_engine_id
@@ -298,64 +296,6 @@ class _Host:
             p.plane.close()
 
 
-def _serve(conn: Connection, spec: ScaleSpec) -> None:
-    """A benchmark process: run the coordinator's commands until told to exit."""
-    host = _Host(spec)
-    try:
-        while True:
-            name, args = conn.recv()
-            if name == "exit":
-                break
-            try:
-                conn.send(("ok", getattr(host, name)(*args)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        host.close()
-        conn.close()
-
-
-class _Process:
-    """A benchmark process and its command pipe."""
-
-    def __init__(self, spec: ScaleSpec) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def send(self, name: str, *args: Any) -> None:
-        self.conn.send((name, args))
-
-    def result(self, timeout: float = 300.0) -> Any:
-        if not self.conn.poll(timeout):
-            raise ScaleError(f"benchmark process {self.proc.pid} did not answer in {timeout} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise ScaleError(f"benchmark process {self.proc.pid} failed:\n{value}")
-        return value
-
-    def call(self, name: str, *args: Any, timeout: float = 300.0) -> Any:
-        self.send(name, *args)
-        return self.result(timeout)
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.send(("exit", ()))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-
-def _gather(procs: Sequence[_Process], name: str, args: Sequence[Sequence[Any]]) -> list[Any]:
-    """Run a command in every process at once (``args[i]`` for process i); their results."""
-    for proc, a in zip(procs, args, strict=True):
-        proc.send(name, *a)
-    return [proc.result() for proc in procs]
-
-
 # -- one point ---------------------------------------------------------------------------------
 
 
@@ -413,17 +353,19 @@ def run_point(
     else:
         ranks = [(i, r, tp) for i in range(peers // tp) for r in range(tp)]
     chunks = [ranks[i : i + spec.per_process] for i in range(0, len(ranks), spec.per_process)]
-    hub = _Process(spec)
-    crowd = [_Process(spec) for _ in chunks]
+    hub = WorkerProcess(_Host, spec, name="hub", error=ScaleError)
+    crowd = [
+        WorkerProcess(_Host, spec, name=f"crowd {i}", error=ScaleError) for i in range(len(chunks))
+    ]
     try:
         hub_planes = hub.call("start", hub_role, [(0, 0, 1)])
-        crowd_planes = _gather(crowd, "start", [(crowd_role, c) for c in chunks])
-        before = _gather(crowd, "usage", [()] * len(crowd))
+        crowd_planes = gather(crowd, "start", [(crowd_role, c) for c in chunks])
+        before = gather(crowd, "usage", [()] * len(crowd))
         hub_start = hub.call("usage")
         # Handshakes: D ranks with their P ranks, all at once.
         t0 = time.monotonic()
         if direction == "fan-out":
-            _gather(crowd, "handshake", [([hub_planes[0]["endpoint"]],)] * len(crowd))
+            gather(crowd, "handshake", [([hub_planes[0]["endpoint"]],)] * len(crowd))
         else:
             endpoints = [p["endpoint"] for planes in crowd_planes for p in planes]
             hub.call("handshake", endpoints)
@@ -434,7 +376,7 @@ def run_point(
         while hub_connected["side_channels"] < peers and time.monotonic() < settle:
             time.sleep(0.1)
             hub_connected = hub.call("usage")
-        after = _gather(crowd, "usage", [()] * len(crowd))
+        after = gather(crowd, "usage", [()] * len(crowd))
         crowd_per_plane = {
             key: sum(a[key] - b[key] for a, b in zip(after, before, strict=True)) / peers
             for key in ("threads", "fds", "sockets", "rss_mib")
@@ -487,7 +429,7 @@ def run_point(
             # Half the peers go away; the hub releases what it held for them once quiet.
             leaving = [len(c) // 2 for c in chunks]
             hub.call("set_quiet", spec.quiet_s)
-            _gather(crowd, "leave", [(n,) for n in leaving])
+            gather(crowd, "leave", [(n,) for n in leaving])
             # Past the quiet bound and the lanes' idle exit: what the hub holds at rest.
             time.sleep(max(2.5 * spec.quiet_s, lanes.IDLE_EXIT_S + 3))
             point.left = sum(leaving)
@@ -501,8 +443,8 @@ def run_point(
 
 def _one_wave(
     point: Point,
-    hub: _Process,
-    crowd: Sequence[_Process],
+    hub: WorkerProcess,
+    crowd: Sequence[WorkerProcess],
     chunks: Sequence[Sequence[tuple[int, int, int]]],
     direction: str,
     tp: int,
@@ -520,7 +462,7 @@ def _one_wave(
         for k, prm in enumerate(params):
             c, i = flat[k % len(flat)]
             work[c].append((i, prm))
-        results = _gather(crowd, "pull", [(w, check) for w in work])
+        results = gather(crowd, "pull", [(w, check) for w in work])
     else:
         # Request k is P instance k's: every rank of it publishes (the same token), the hub
         # reads from all of them.
@@ -529,7 +471,7 @@ def _one_wave(
         mine = [
             [(k, req) for k, req in enumerate(requests) if req[2] in _instances(c)] for c in chunks
         ]
-        published = _gather(crowd, "publish", [([req for _, req in reqs],) for reqs in mine])
+        published = gather(crowd, "publish", [([req for _, req in reqs],) for reqs in mine])
         ranks: dict[int, list[dict[str, Any]]] = {}
         for c, reqs in enumerate(mine):
             for (k, _), planes in zip(reqs, published[c], strict=True):

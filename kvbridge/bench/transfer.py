@@ -21,24 +21,21 @@ of the decode cache (and that nothing else changed) for each way.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
-import multiprocessing as mp
 import os
 import shutil
 import statistics
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 from kvbridge.bench.cases import CASES, BenchCase, load_source_module, request_ids
+from kvbridge.bench.processes import WorkerProcess
 from kvbridge.control.plane import ControlPlane, TransferParams
 from kvbridge.core.boundary import remote_prefill_token_count
 from kvbridge.core.integrity import Verify
@@ -132,11 +129,24 @@ def _ranges(layout: Layout) -> list[tuple[int, int]]:
     return [(r.addr, r.size) for r in layout.registration]
 
 
-class _Prefill:
-    """The prefill engine: holds the request, publishes it, serves the decode side's reads."""
+class _Side:
+    """One benchmark process's engine: the transport and, beside it, the raw engine when
+    ``benchmarks/raw_engines.py`` has one for it."""
 
     def __init__(self, transport: Transport, raw: Any) -> None:
         self.transport, self.raw = transport, raw
+
+    def has_raw(self) -> bool:
+        return self.raw is not None
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+        self.transport.close()
+
+
+class _Prefill(_Side):
+    """The prefill engine: holds the request, publishes it, serves the decode side's reads."""
 
     def case(self, spec: CaseSpec) -> dict[str, Any]:
         self.spec = spec
@@ -164,11 +174,11 @@ class _Prefill:
         del self.arena
 
 
-class _Decode:
+class _Decode(_Side):
     """The decode engine: moves the request each way and checks the bytes it received."""
 
     def __init__(self, transport: Transport, raw: Any) -> None:
-        self.transport, self.raw = transport, raw
+        super().__init__(transport, raw)
         self.peer = ""
 
     def case(self, spec: CaseSpec, prefill: dict[str, Any]) -> dict[str, Any]:
@@ -286,77 +296,13 @@ class _Decode:
         del self.arena, self.copy, self.copies
 
 
-def _worker(
-    role: str, conn: Connection, transport: str, options: dict[str, Any], log_path: str
-) -> None:
-    """A benchmark process: answers the coordinator's calls until told to stop."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 2)  # engines log every batch on stderr
-    os.close(fd)
-    try:
-        with load_transport(transport, **options) as t:
-            module = load_source_module(RAW_PATH, RAW_MODULE)
-            engines = getattr(module, "ENGINES", {})
-            raw = engines[transport]() if transport in engines else None
-            handler = _Prefill(t, raw) if role == "prefill" else _Decode(t, raw)
-            conn.send(("ok", {"raw": raw is not None}))
-            while True:
-                call = conn.recv()
-                if call[0] == "stop":
-                    break
-                conn.send(("ok", getattr(handler, call[0])(*call[1:])))
-            if raw is not None:
-                raw.close()
-    except BaseException as err:  # report, never leave the coordinator waiting
-        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
-    finally:
-        conn.close()
-        # Some engines crash in their own teardown at interpreter exit; all is released by now.
-        os._exit(0)
-
-
-class _Process:
-    """One benchmark process and its end of the pipe."""
-
-    def __init__(
-        self, ctx: Any, role: str, transport: str, options: dict[str, Any], log_path: str
-    ) -> None:
-        self.role, self.log_path = role, log_path
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_worker,
-            args=(role, child, transport, options, log_path),
-            name=f"kvbridge-bench-{role}",
-        )
-        self.proc.start()
-        child.close()
-
-    def receive(self, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while not self.conn.poll(0.05):
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise BenchError(
-                    f"the {self.role} process exited (code {self.proc.exitcode}) without "
-                    f"answering; its log: {self.log_path}"
-                )
-            if time.monotonic() > deadline:
-                raise BenchError(f"the {self.role} process did not answer within {timeout:.0f} s")
-        message = self.conn.recv()
-        if message[0] == "error":
-            raise BenchError(f"the {self.role} process failed: {message[1]}\n{message[2]}")
-        return message[1]
-
-    def call(self, timeout: float, name: str, *args: Any) -> Any:
-        self.conn.send((name, *args))
-        return self.receive(timeout)
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):  # the process may be gone already
-            self.conn.send(("stop",))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+def _side(role: str, transport: str, options: dict[str, Any]) -> _Side:
+    """A benchmark process's engine (``WorkerProcess`` builds it in the process)."""
+    t = load_transport(transport, **options)
+    module = load_source_module(RAW_PATH, RAW_MODULE)
+    engines = getattr(module, "ENGINES", {})
+    raw = engines[transport]() if transport in engines else None
+    return _Prefill(t, raw) if role == "prefill" else _Decode(t, raw)
 
 
 # -- the coordinator -------------------------------------------------------------------------
@@ -468,16 +414,16 @@ def balanced_orders(modes: Sequence[str]) -> list[list[str]]:
 def _measure_case(
     transport: str,
     spec: CaseSpec,
-    prefill: _Process,
-    decode: _Process,
+    prefill: WorkerProcess,
+    decode: WorkerProcess,
     modes: list[str],
     settings: TransferSettings,
     advance: Callable[[str], None],
 ) -> dict[str, Any]:
     """Build one case in both processes, move it every way ``reps`` times, summarise."""
     slow = 10 * settings.timeout  # building and checking a cache takes a while on 2 cores
-    offer = prefill.call(slow, "case", spec)
-    info = decode.call(slow, "case", spec, offer)
+    offer = prefill.call("case", spec, timeout=slow)
+    info = decode.call("case", spec, offer, timeout=slow)
     samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     orders = balanced_orders(modes)
     for rep in range(settings.reps + 1):
@@ -487,14 +433,14 @@ def _measure_case(
             advance(f"transfer {transport} {spec.case} rep {rep}/{settings.reps} {mode}")
             payload = None
             if mode in ("kvbridge", "verify-sample", "verify-full"):
-                payload = prefill.call(slow, "publish", f"bench-{spec.case}-{rep}-{mode}")
-            out = decode.call(slow, "run", mode, payload, rep == 0)
+                payload = prefill.call("publish", f"bench-{spec.case}-{rep}-{mode}", timeout=slow)
+            out = decode.call("run", mode, payload, rep == 0, timeout=slow)
             if rep:
                 samples[mode].append(out)
         for _ in range(len(MODES) - len(modes)):
             advance(f"transfer {transport} {spec.case}: no raw baseline")
-    decode.call(slow, "end_case")
-    prefill.call(slow, "end_case")
+    decode.call("end_case", timeout=slow)
+    prefill.call("end_case", timeout=slow)
     return _summary(transport, CASES[spec.case], spec, info, samples)
 
 
@@ -518,17 +464,20 @@ def run_transfer(settings: TransferSettings, advance: Callable[[str], None]) -> 
                 settings.timeout,
             )
         )
-    ctx = mp.get_context("spawn")  # fresh interpreters: no engine state is inherited
     options = {"timeout": settings.timeout}
     slow = 10 * settings.timeout  # building and checking a cache takes a while on 2 cores
     for transport in settings.transports:
         logs = {role: os.path.join(log_dir, f"{transport}-{role}.log") for role in ("p", "d")}
-        prefill = _Process(ctx, "prefill", transport, options, logs["p"])
-        decode = _Process(ctx, "decode", transport, options, logs["d"])
+        prefill, decode = (
+            WorkerProcess(
+                _side, role, transport, options, name=role, error=BenchError, log_path=logs[role[0]]
+            )
+            for role in ("prefill", "decode")
+        )
         try:
-            # Both start-up answers are read (``and`` would leave decode's unread without raw).
-            started = [prefill.receive(slow)["raw"], decode.receive(slow)["raw"]]
-            has_raw = all(started)
+            has_raw = all(
+                [prefill.call("has_raw", timeout=slow), decode.call("has_raw", timeout=slow)]
+            )
             modes = [m for m in MODES if m != "raw" or has_raw]
             for spec in specs:
                 results.append(
