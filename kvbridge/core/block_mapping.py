@@ -33,7 +33,8 @@ def as_block_ids(ids: object, group: CacheGroup, side: str) -> IdArray:
         raise BlockIdError(
             f"{side} block ids of group {group.index} are not integers: {err}"
         ) from None
-    if arr.size:
+    # One comparison finds both ends: a negative id read as unsigned is past any pool.
+    if arr.size and np.count_nonzero(arr.view(np.uint64) >= group.num_blocks):
         bad = np.flatnonzero((arr < 0) | (arr >= group.num_blocks))
         if bad.size:
             raise BlockIdError(
@@ -97,6 +98,18 @@ class CheckedGroupIds:
     kept: IdArray
 
 
+#: Up to this many ids a set finds repeats faster than a sort (numpy's fixed cost per call).
+_SMALL_IDS = 64
+
+
+def _repeats(ids: IdArray) -> bool:
+    """Whether an id occurs twice."""
+    if ids.size <= _SMALL_IDS:
+        return len(set(ids.tolist())) < ids.size
+    ordered = np.sort(ids)  # several times faster than np.unique on these sizes
+    return bool(np.count_nonzero(ordered[1:] == ordered[:-1]))
+
+
 def _kept(group: CacheGroup, given: IdArray, side: str) -> CheckedGroupIds:
     """Apply the group kind's rule to ids already inside the pool, and refuse repeats."""
     arr = given
@@ -104,14 +117,12 @@ def _kept(group: CacheGroup, given: IdArray, side: str) -> CheckedGroupIds:
         arr = drop_null_blocks(arr, group.null_block_id)
     elif group.kind is GroupKind.SLIDING_WINDOW:
         arr = clip_sliding_window(arr, group.sliding_window or 0, group.block_size)
-    if arr.size > 1:
-        ordered = np.sort(arr)  # several times faster than np.unique on these sizes
-        repeats = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeats.size:
-            raise BlockIdError(
-                f"{side} block ids of group {group.index} repeat id {int(repeats[0])}: "
-                f"{arr.tolist()[:32]}"
-            )
+    if arr.size > 1 and _repeats(arr):
+        ordered = np.sort(arr)
+        repeated = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+        raise BlockIdError(
+            f"{side} block ids of group {group.index} repeat id {repeated}: {arr.tolist()[:32]}"
+        )
     return CheckedGroupIds(group, given, arr)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -299,6 +299,7 @@ def _merge_rows(
     src_ids: npt.NDArray[np.int64],
     dst_ids: npt.NDArray[np.int64],
     sort_runs: bool,
+    count: int = 0,
 ) -> _GroupDescriptors:
     """The in-order merge of a group whose blocks are one descriptor each, done on block ids.
 
@@ -312,38 +313,67 @@ def _merge_rows(
     spares ``merge_descriptors`` its sort. Runs that meet once sorted (a request that holds
     blocks 5-6 before 1-2 and then 7) are joined here too, on the ids, once for all rows: each
     row is then merged already, and only the boundaries between rows are left to check.
+
+    ``count``: the group's descriptors before merging, carried into the result. Most requests
+    are a handful of runs, so the numpy calls are kept few (each costs a microsecond or two
+    whatever its size): one run, the common case, is found with two differences and a test.
     """
     ss, ds, length = rows.s_step, rows.d_step, rows.length
-    joins = (np.diff(src_ids) * ss == length) & (np.diff(dst_ids) * ds == length)
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))[: src_ids.size]
-    blocks = np.diff(np.append(starts, src_ids.size))
-    first_src, first_dst = src_ids[starts], dst_ids[starts]
+    size = int(src_ids.size)
+    # Dense blocks (a block's bytes end where the next id's begin, on both sides): a block
+    # continues another exactly when both ids are one more, no product needed.
+    dense = length == ss == ds
+    joins = None
+    if size > 1:
+        s_gap, d_gap = src_ids[1:] - src_ids[:-1], dst_ids[1:] - dst_ids[:-1]
+        if dense:
+            joins = (s_gap == 1) & (d_gap == 1)
+        else:
+            joins = (s_gap * ss == length) & (d_gap * ds == length)
+    if joins is None or joins.all():  # one run: every row is one descriptor
+        s = rows.s_off + int(src_ids[0]) * ss if size else rows.s_off[:0]
+        d = rows.d_off + int(dst_ids[0]) * ds if size else rows.d_off[:0]
+        n = np.full(s.size, size * length, dtype=np.int64)
+        row_length = (1 if size else 0) if sort_runs and ss > 0 and 0 < length <= ss else None
+        extents = None
+        if size and 0 < length <= ds:  # one run of distinct ids: it is the extent
+            low = int(dst_ids[0]) * ds
+            extents = rows.d_off[:, None] + np.array((low, low + size * length), dtype=np.int64)
+        return _GroupDescriptors(s, d, n, count, extents, row_length)
+    heads = np.flatnonzero(np.concatenate(((True,), ~joins)))
+    first_src, first_dst = src_ids[heads], dst_ids[heads]
+    blocks = np.empty_like(heads)
+    blocks[:-1] = heads[1:] - heads[:-1]
+    blocks[-1] = size - heads[-1]
     row_length = None
     if sort_runs and ss > 0:
-        if first_src.size > 1:
-            by_address = np.argsort(first_src)  # ids are distinct: one sorting permutation
-            first_src, first_dst, blocks = (a[by_address] for a in (first_src, first_dst, blocks))
+        order = np.argsort(first_src)  # ids are distinct: one sorting permutation
+        first_src, first_dst, blocks = first_src[order], first_dst[order], blocks[order]
         if 0 < length <= ss:
             # Distinct ids a step apart, blocks no longer than the step: sorted runs never
             # overlap, so joining those that continue each other leaves the row merged.
-            if first_src.size > 1:
+            s_gap, d_gap = first_src[1:] - first_src[:-1], first_dst[1:] - first_dst[:-1]
+            if dense:
+                meet = (s_gap == blocks[:-1]) & (d_gap == blocks[:-1])
+            else:
                 span = blocks[:-1] * length
-                meet = (np.diff(first_src) * ss == span) & (np.diff(first_dst) * ds == span)
-                if meet.any():
-                    keep = np.flatnonzero(np.concatenate(([True], ~meet)))
-                    first_src, first_dst = first_src[keep], first_dst[keep]
-                    blocks = np.add.reduceat(blocks, keep)
+                meet = (s_gap * ss == span) & (d_gap * ds == span)
+            if meet.any():
+                keep = np.flatnonzero(np.concatenate(((True,), ~meet)))
+                first_src, first_dst = first_src[keep], first_dst[keep]
+                blocks = np.add.reduceat(blocks, keep)
             row_length = int(first_src.size)
-    s: npt.NDArray[np.int64] = rows.s_off[:, None] + (first_src * ss)[None, :]
-    d: npt.NDArray[np.int64] = rows.d_off[:, None] + (first_dst * ds)[None, :]
-    n = np.broadcast_to((blocks * length)[None, :], s.shape)
+    s = (rows.s_off[:, None] + first_src * ss).reshape(-1)
+    d = (rows.d_off[:, None] + first_dst * ds).reshape(-1)
+    n = np.empty((rows.s_off.size, first_src.size), dtype=np.int64)
+    n[:] = blocks * length
     extents = None
-    if 0 < length <= ds and dst_ids.size:
+    if 0 < length <= ds:
         # Distinct ids (checked) a step apart, each block no longer than the step: a region's
         # blocks never overlap, and all of them lie between its lowest and highest block.
         low, high = int(dst_ids.min()) * ds, int(dst_ids.max()) * ds + length
-        extents = np.stack([rows.d_off + low, rows.d_off + high], axis=1)
-    return _GroupDescriptors(s.reshape(-1), d.reshape(-1), n.reshape(-1), 0, extents, row_length)
+        extents = rows.d_off[:, None] + np.array((low, high), dtype=np.int64)
+    return _GroupDescriptors(s, d, n.reshape(-1), count, extents, row_length)
 
 
 @dataclass(frozen=True)
@@ -431,7 +461,7 @@ def _plan_group(
     template = _TEMPLATES[collapse, collapse and fuse](src, dst)
     count = template.per_block * int(dst_ids.size)
     if template.rows is not None:
-        return replace(_merge_rows(template.rows, src_ids, dst_ids, sort_runs), count=count)
+        return _merge_rows(template.rows, src_ids, dst_ids, sort_runs, count)
     axes = template.axes
     s_off, s_step, d_off, d_step, lengths = template.arrays
     s = s_off + axes.block(src_ids) * s_step
@@ -537,6 +567,8 @@ def _merge_in_order(
 
 def _disjoint_extents(extents: IdArray) -> bool:
     """Whether no two ``[start, end)`` rows overlap (a few hundred regions: cheap)."""
+    if extents.shape[0] <= 1:
+        return True
     ordered = extents[np.argsort(extents[:, 0], kind="stable")]
     return bool(np.all(ordered[1:, 0] >= ordered[:-1, 1]))
 
@@ -692,7 +724,9 @@ def _rows_are_merged(
 def _extents_proof(parts: list[_GroupDescriptors]) -> IdArray | None:
     """Every region's destination extent when each group could give one (else ``None``)."""
     extents = [p.dst_extents for p in parts if p.dst_extents is not None]
-    return np.concatenate([_NO_EXTENTS, *extents]) if len(extents) == len(parts) else None
+    if len(extents) != len(parts):
+        return None
+    return extents[0] if len(extents) == 1 else np.concatenate([_NO_EXTENTS, *extents])
 
 
 def _group_stats(dst: GroupRegions, dst_ids: IdArray, part: _GroupDescriptors) -> GroupPlanStats:

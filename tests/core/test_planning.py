@@ -116,6 +116,10 @@ def test_contiguous_blocks_in_blocks_first_layout_merge_to_one_descriptor_per_te
         ([4, 3, 2, 1], [9, 8, 7, 6], 1),
         # sorted, they meet on P's side only: no join
         ([3, 1, 2], [5, 10, 11], 2),
+        # one run on both sides (the planner's one-run path), one block, no block
+        ([3, 4, 5, 6], [8, 9, 10, 11], 1),
+        ([7], [2], 1),
+        ([], [], 0),
     ],
 )
 def test_runs_that_meet_once_sorted_are_joined_in_every_region(p_ids, d_ids, runs):
@@ -199,6 +203,21 @@ def test_out_of_range_block_id_is_refused():
         BlockIdError, match=r"destination block id 4 of group 0 is outside \[0, 4\)"
     ):
         plan_transfers(p, d, {0: [1]}, {0: [4]})
+
+
+def test_negative_and_repeated_ids_are_refused_in_short_and_long_lists():
+    """A negative id is outside the pool (one unsigned comparison finds both ends); a repeat
+    is found by a set in a short list, by a sort in a long one."""
+    p, d = (
+        hybrid_layout(Arena(), num_blocks=200),
+        hybrid_layout(Arena(next=1 << 20), num_blocks=200),
+    )
+    with pytest.raises(BlockIdError, match=r"source block id -1 of group 0 is outside"):
+        plan_transfers(p, d, {0: [3, -1]}, {0: [1, 2]})
+    for count in (5, 150):
+        ids = [*range(count), count // 2]
+        with pytest.raises(BlockIdError, match=f"repeat id {count // 2}"):
+            plan_transfers(p, d, {0: ids}, {0: list(range(count + 1))})
 
 
 def test_incompatible_layouts_are_refused_before_planning():
