@@ -30,7 +30,7 @@ STAMP34 := $(VENV34)/.kvbridge-installed
 # `make test-vllm-latest`: the newest vLLM the registry serves, the same way (not in `make test`).
 VENVLATEST := .venv-vllm-latest
 
-.PHONY: demo demo-vllm test test-e2e results-e2e test-vllm033 test-vllm034 test-vllm-latest soak lint typecheck docs docs-serve unit example-plugin setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e results-e2e test-vllm033 test-vllm034 test-vllm-layers test-vllm-latest soak lint typecheck docs docs-serve unit example-plugin setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -117,11 +117,17 @@ $(STAMP34): $(STAMP)
 # The adapter against vLLM 0.33's and 0.34's Python layers (no engine: neither has CPU kernels).
 test-vllm033: $(STAMP33)
 	$(VENV33)/bin/python -c "import vllm; v = vllm.__version__; assert v.startswith('0.33'), v"
-	VLLM_TARGET_DEVICE=cpu $(VENV33)/bin/python -m pytest -q -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
+	VLLM_TARGET_DEVICE=cpu $(VENV33)/bin/python -m pytest -q -p no:cacheprovider -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
 
 test-vllm034: $(STAMP34)
 	$(VENV34)/bin/python -c "import vllm; v = vllm.__version__; assert v.startswith('0.34'), v"
-	VLLM_TARGET_DEVICE=cpu $(VENV34)/bin/python -m pytest -q -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
+	VLLM_TARGET_DEVICE=cpu $(VENV34)/bin/python -m pytest -q -p no:cacheprovider -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
+
+# Both at once (what `make test` runs): each stage keeps one core busy (no engine, no waits) and
+# the machine has two; each one's output comes whole when it ends. Their venvs are made first,
+# one after the other (both install into the same pip cache).
+test-vllm-layers: $(STAMP33) $(STAMP34)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm033 test-vllm034
 
 # The week a vLLM release lands: the newest one the registry serves (always reinstalled), its
 # Python layer under the same tests; prints which release ran. Not in `make test`: a new release
@@ -145,7 +151,7 @@ example-plugin: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps ./examples/procmem-transport
 	$(BIN)/pytest -q examples/procmem-transport/tests
 
-test: lint typecheck docs unit test-vllm033 test-vllm034 example-plugin test-e2e
+test: lint typecheck docs unit test-vllm-layers example-plugin test-e2e
 
 # The soak: 1000 requests per transport through real engine processes, random faults (freeze or
 # kill P or D, lost PushDone, duplicate and forged messages), two CPU hogs beside it; checks every
