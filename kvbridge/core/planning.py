@@ -322,7 +322,7 @@ def _merge_rows(
     size = int(src_ids.size)
     # Dense blocks (a block's bytes end where the next id's begin, on both sides): a block
     # continues another exactly when both ids are one more, no product needed.
-    dense = length == ss == ds
+    dense = 0 < length == ss == ds
     joins = None
     if size > 1:
         s_gap, d_gap = src_ids[1:] - src_ids[:-1], dst_ids[1:] - dst_ids[:-1]
