@@ -227,16 +227,16 @@ def test_prefill_stuttering_during_pull(engines, transport):
     """P stops mid-read of 256 MiB, runs for a few ms, stops again for 3 s: D reports only once
     its read is fenced by proof, and not one byte lands in its (reused) blocks after that."""
     p, d, p_ids, d_ids = huge_pair(engines, transport, "pull", seed=141)
-    for window_ms in (WINDOWS_MS["pull", transport],):
-        rid = f"stutter-p-{window_ms}"
-        params = p.call(
-            cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS, mode="pull"
-        )
-        d.call(cmd="pull", params=params, block_ids=d_ids)
-        wait_for(lambda rid=rid: rid in d.call(cmd="reading"), 10, step=0.001)
-        outcome, held = stutter_round(p, d, transport, rid, window_ms, "P in a pull")
-        assert held == [] if outcome["ok"] else held == [rid]
-        wait_for(lambda rid=rid: freed(p, rid), 20)  # P's blocks are free for the next round
+    window_ms = WINDOWS_MS["pull", transport]
+    rid = f"stutter-p-{window_ms}"
+    params = p.call(
+        cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS, mode="pull"
+    )
+    d.call(cmd="pull", params=params, block_ids=d_ids)
+    wait_for(lambda: rid in d.call(cmd="reading"), 10, step=0.001)
+    outcome, held = stutter_round(p, d, transport, rid, window_ms, "P in a pull")
+    assert held == [] if outcome["ok"] else held == [rid]
+    wait_for(lambda: freed(p, rid), 20)  # P's blocks are free at the end
     assert_nothing_left(p)
 
 
@@ -244,20 +244,20 @@ def test_decode_stuttering_during_push(engines, transport):
     """D stops mid-write of 256 MiB, runs for a few ms, stops again for 3 s: D reports only on
     P's proven fence, and not one byte lands in its (reused) blocks after that."""
     p, d, p_ids, d_ids = huge_pair(engines, transport, "push", seed=151)
-    for window_ms in (WINDOWS_MS["push", transport],):
-        rid = f"stutter-d-{window_ms}"
-        params = {  # D asks for the push before P has published: P writes as soon as it does
-            "request_id": rid,
-            "engine_id": p.info["engine_id"],
-            "endpoint": p.info["endpoint"],
-            "block_ids": p_ids,
-            "num_tokens": HUGE_TOKENS,
-            "transport": transport,
-            "mode": "push",
-        }
-        d.call(cmd="push", params=params, block_ids=d_ids)
-        wait_for(lambda rid=rid: rid in p.call(cmd="pending_push"), 10)
-        p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS, mode="push")
-        stutter_round(d, d, transport, rid, window_ms, "D in a push")
-        wait_for(lambda rid=rid: freed(p, rid), 20)
+    window_ms = WINDOWS_MS["push", transport]
+    rid = f"stutter-d-{window_ms}"
+    params = {  # D asks for the push before P has published: P writes as soon as it does
+        "request_id": rid,
+        "engine_id": p.info["engine_id"],
+        "endpoint": p.info["endpoint"],
+        "block_ids": p_ids,
+        "num_tokens": HUGE_TOKENS,
+        "transport": transport,
+        "mode": "push",
+    }
+    d.call(cmd="push", params=params, block_ids=d_ids)
+    wait_for(lambda: rid in p.call(cmd="pending_push"), 10)
+    p.call(cmd="publish", request_id=rid, block_ids=p_ids, num_tokens=HUGE_TOKENS, mode="push")
+    stutter_round(d, d, transport, rid, window_ms, "D in a push")
+    wait_for(lambda: freed(p, rid), 20)
     assert_nothing_left(p)
