@@ -246,6 +246,8 @@ class _Decode(_Side):
             "plan_warm_seconds": self._plan_warm(request),
             "handshake_seconds": stats.handshake_s,
             "verify_seconds": stats.verify_s,
+            "queued_seconds": stats.queued_s,
+            "ask_seconds": stats.ask_s,
         }
 
     def _plan_warm(self, request: TransferParams) -> float:
@@ -362,6 +364,10 @@ def _summary(
         "control_ms": _median(
             [(s["seconds"] - s["transfer_seconds"] - s["plan_seconds"]) * 1e3 for s in kv]
         ),
+        # Of the own cost: the wait for a plane worker, and D's claim until P answered (sent
+        # before planning, read after it).
+        "queued_ms": _median([s["queued_seconds"] * 1e3 for s in kv]),
+        "ask_ms": _median([s["ask_seconds"] * 1e3 for s in kv]),
         "gbps": gbps,
         "ratios": {key: _median(values) for key, values in reps.items()},
         # The spread of each ratio over the repetitions, [min, max]: a ratio whose range holds

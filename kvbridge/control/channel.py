@@ -371,30 +371,56 @@ class PeerClient:
 
     def request(self, body: Message, timeout: float | None = None) -> Message:
         """Send ``body``; return the reply, raise ``ControlError`` if refused, or time out."""
+        return self.send(body, timeout).reply()
+
+    def send(self, body: Message, timeout: float | None = None) -> PendingReply:
+        """Send ``body`` now; its ``PendingReply.reply()`` waits for the answer (within
+        ``timeout`` from now), so the caller can work while the peer does. The client serves
+        nothing else until ``reply()`` or ``PendingReply.cancel()`` is called: call one of them
+        (the first call of a client, or one that must authenticate, waits for that here)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._lock:
+        self._lock.acquire()
+        try:
+            fresh = not self._authenticated
+            if fresh:
+                self._authenticate(deadline)
+            seq = self._send(body)
+        except BaseException as err:
+            self._end_call(err)
+            raise
+        return PendingReply(self, body, seq, deadline, fresh)
+
+    def _finish(self, call: PendingReply) -> Message:
+        """``call``'s reply (the client's lock is held since ``send``; released here)."""
+        try:
             try:
-                fresh = not self._authenticated
-                if fresh:
-                    self._authenticate(deadline)
-                try:
-                    return self._call(body, deadline)
-                except ControlError as err:
-                    if fresh or err.code != "unauthenticated":
-                        raise
+                reply = self._receive(call.body, call.seq, call.deadline)
+            except ControlError as err:
+                if call.fresh or err.code != "unauthenticated":
+                    raise
                 # The endpoint no longer knows our session although we authenticated: the
                 # engine restarted at this address and zmq reconnected underneath us, or it
                 # dropped the session from a full table. It refused before handling the
                 # request, so authenticating again and sending it once more is safe.
                 log.info("side channel: %s lost our session; authenticating again", self.address)
                 self._authenticated = False
-                self._authenticate(deadline)
-                return self._call(body, deadline)
-            except (PeerTimeoutError, PeerRefusedError, ControlError, zmq.ZMQError):
+                self._authenticate(call.deadline)
+                reply = self._call(call.body, call.deadline)
+        except BaseException as err:
+            self._end_call(err)
+            raise
+        self._end_call(None)
+        return reply
+
+    def _end_call(self, err: BaseException | None) -> None:
+        """A call ended (``err``: how it failed): reset the connection where the failure
+        leaves it in doubt, note the time, free the client for the next call."""
+        try:
+            if isinstance(err, (PeerTimeoutError, PeerRefusedError, ControlError, zmq.ZMQError)):
                 self._reset()
-                raise
-            finally:
-                self._last_used = time.monotonic()
+        finally:
+            self._last_used = time.monotonic()
+            self._lock.release()
 
     def _authenticate(self, deadline: float) -> None:
         nonce = auth.new_nonce()
@@ -424,6 +450,10 @@ class PeerClient:
         self._authenticated = True
 
     def _call(self, body: Message, deadline: float) -> Message:
+        return self._receive(body, self._send(body), deadline)
+
+    def _send(self, body: Message) -> int:
+        """Send ``body`` under a new sequence number, which its reply carries back."""
         fresh = self._socket is None
         sock = self._connect()
         if not fresh:
@@ -431,8 +461,13 @@ class PeerClient:
             # nothing about this one: only a refusal after the send means nothing listens now.
             self._refused()
         self._seq += 1
-        seq = self._seq
-        sock.send(encode(seq, body))
+        sock.send(encode(self._seq, body))
+        return self._seq
+
+    def _receive(self, body: Message, seq: int, deadline: float) -> Message:
+        """The reply to the message sent as ``seq`` (``body``), within ``deadline``."""
+        sock = self._socket
+        assert sock is not None
         while True:
             remaining = deadline - time.monotonic()
             ready = dict(self._poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
@@ -453,11 +488,42 @@ class PeerClient:
             except MessageError as err:
                 raise ControlError(err.code, f"bad reply from {self.address}: {err}") from None
             if envelope.seq != seq:
-                continue  # a late reply to an earlier call that timed out
+                continue  # a late reply to an earlier call that timed out or was cancelled
             reply = envelope.body
             if isinstance(reply, ErrorReply):
                 raise ControlError(reply.code, f"{self.address} refused: {reply.message}")
             return reply
+
+
+class PendingReply:
+    """A message ``PeerClient.send`` sent: ``reply()`` waits for its answer, ``cancel()`` gives
+    it up. Either ends the call (once) and frees the client for the next one."""
+
+    def __init__(
+        self, client: PeerClient, body: Message, seq: int, deadline: float, fresh: bool
+    ) -> None:
+        self.client = client
+        self.body = body
+        self.seq = seq
+        self.deadline = deadline
+        self.fresh = fresh  # the client authenticated for this call
+        self._ended = False
+
+    def reply(self) -> Message:
+        """The reply; ``ControlError`` if refused, ``PeerTimeoutError`` past the deadline."""
+        self._end()
+        return self.client._finish(self)
+
+    def cancel(self) -> None:
+        """Give the reply up: a late one is dropped by the client's next call (its sequence
+        number differs), so the connection stays; the peer may still act on the message."""
+        self._end()
+        self.client._end_call(None)
+
+    def _end(self) -> None:
+        if self._ended:
+            raise RuntimeError("this call has ended already (reply or cancel, once)")
+        self._ended = True
 
 
 def _peer_address(frame: zmq.Frame) -> str:

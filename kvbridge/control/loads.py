@@ -18,7 +18,7 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvbridge.control.channel import PeerClient
+from kvbridge.control.channel import PeerClient, PendingReply
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.handshakes import INCOMPATIBLE_CODES, Handshakes, RemoteEngine
 from kvbridge.control.messages import (
@@ -99,6 +99,17 @@ class _Part(RankPart):
     @property
     def aborted(self) -> bool:
         return self.pending.aborted
+
+
+@dataclass
+class _Claim:
+    """A pull's ``PullStart`` to one P rank: sent (``call``), refused before it went
+    (``error``), or neither (to be sent when its endpoint is free)."""
+
+    part: _Part
+    started: float
+    call: PendingReply | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -320,8 +331,10 @@ class Loads:
         pending.stats.queued_s = time.monotonic() - pending.started
         try:
             self._handshake_all(pending)
-            # Ask P (a round trip, or a wait until it published) while planning the read.
-            asked = [ctx.asks.submit(self._timed_claim, part) for part in parts]
+            # Ask P (a round trip, or a wait until it published) while planning the read: each
+            # claim goes out before planning and its answer is read after, in this one thread
+            # (a thread per claim would contend with planning for the interpreter's lock).
+            claims = self._send_claims(parts)
             try:
                 for part in parts:
                     assert part.remote is not None
@@ -332,10 +345,10 @@ class Loads:
                         pending.block_ids,
                         pending.stats,
                     )
-            finally:
-                wait(asked)  # nothing else is said to P before it answered this
-            for claim in asked:
-                claim.result()
+            except BaseException:
+                self._end_claims(claims, failed=True)  # P answered every claim before D fails
+                raise
+            self._end_claims(claims)
             moving = [
                 (part.remote.engine_id, part.plan, part)
                 for part in parts
@@ -391,31 +404,67 @@ class Loads:
         for part in pending.parts.values():
             self._tell(part.address, Release(rid, True, "", **self._me, token=params.token))
 
-    def _timed_claim(self, part: _Part) -> None:
-        with timed(part.pending.stats, "ask_s"):
-            self._claim(part)
+    def _send_claims(self, parts: list[_Part]) -> list[_Claim]:
+        """Send each P rank its ``PullStart`` now (one per endpoint at a time: a rank that shares
+        another's endpoint sends its own when the first was answered)."""
+        claims, sent = [], set()
+        for part in parts:
+            claim = _Claim(part, time.monotonic())
+            endpoint = part.address.endpoint
+            if endpoint not in sent:
+                sent.add(endpoint)
+                try:
+                    claim.call = self._peers.client(endpoint).send(
+                        self._pull_start(part), self._ctx.deadlines.call
+                    )
+                except Exception as err:
+                    claim.error = err
+            claims.append(claim)
+        return claims
 
-    def _claim(self, part: _Part) -> None:
-        """Tell P which blocks D reads; wait (bounded) for P to publish a request it has not yet.
+    def _end_claims(self, claims: list[_Claim], failed: bool = False) -> None:
+        """Wait for every claim's answer (``_claim``); then raise the first that failed, unless
+        the load ``failed`` already. ``ask_s``: the longest claim."""
+        error: Exception | None = None
+        # One bound for all: P's ranks publish the request together, and once one claim
+        # failed the load has, so the rest are answered without waiting for a publish.
+        until = min((c.started for c in claims), default=0.0) + self._ctx.deadlines.publish_wait
+        for claim in claims:
+            try:
+                if claim.error is not None:
+                    raise claim.error
+                self._claim(claim.part, claim.call, until if error is None else 0.0)
+            except Exception as err:
+                error = error or err
+            finally:
+                stats = claim.part.pending.stats
+                stats.ask_s = max(stats.ask_s, time.monotonic() - claim.started)
+        if error is not None and not failed:
+            raise error
+
+    def _pull_start(self, part: _Part) -> PullStart:
+        params = part.params
+        return PullStart(params.request_id, params.block_ids, **self._me, token=params.token)
+
+    def _claim(self, part: _Part, sent: PendingReply | None, until: float) -> None:
+        """Tell P which blocks D reads (``sent``: told already, its answer to come); until
+        ``until`` (``time.monotonic()``) wait for P to publish a request it has not yet.
 
         A serving engine may hand the transfer parameters to D before its worker has published
         the request (vLLM publishes one engine step after the request finished on P).
         """
-        params, deadlines = part.params, self._ctx.deadlines
+        deadlines = self._ctx.deadlines
         client = self._peers.client(part.address.endpoint)
-        deadline = time.monotonic() + deadlines.publish_wait
         delay = 0.005
         while True:
+            call, sent = sent, None
             try:
-                client.request(
-                    PullStart(params.request_id, params.block_ids, **self._me, token=params.token),
-                    deadlines.call,
-                )
+                (call or client.send(self._pull_start(part), deadlines.call)).reply()
                 return
             except ControlError as err:
                 if err.code != "unknown_request" or part.aborted:
                     raise
-                if time.monotonic() + delay > deadline:
+                if time.monotonic() + delay > until:
                     waited = f"{err} (waited {deadlines.publish_wait:g} s)"
                     raise ControlError(err.code, waited) from None
             time.sleep(delay)

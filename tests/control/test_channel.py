@@ -69,6 +69,50 @@ def test_deferred_refusal_reaches_the_client_as_its_error(endpoint, asker):
     assert isinstance(client("decode-2").request(Ping()), Ok)
 
 
+def test_a_sent_message_is_answered_while_the_caller_works_and_frees_the_client(endpoint):
+    """``send`` returns at once; the answer is read later (D plans while P claims), and the
+    client serves its next call only then."""
+    held, client = endpoint
+    c = client("decode-1")
+    call = c.send(DigestRequest("work", {0: [1]}, "full"), 20)
+    wait_for(lambda: "work" in held, 20)  # the peer has it while the caller goes on
+    with ThreadPoolExecutor(1) as pool:
+        taken = pool.submit(c.request, Ping())
+        with pytest.raises(TimeoutError):
+            taken.result(0.3)  # the client is taken until the reply is read
+        held["work"].set_result(Digest(7))
+        assert call.reply() == Digest(7)
+        assert isinstance(taken.result(20), Ok)
+    with pytest.raises(RuntimeError, match="ended already"):
+        call.reply()
+
+
+def test_a_cancelled_call_frees_the_client_and_its_late_reply_is_dropped(endpoint):
+    held, client = endpoint
+    c = client("decode-1")
+    call = c.send(DigestRequest("late", {0: [1]}, "full"), 20)
+    wait_for(lambda: "late" in held, 20)
+    call.cancel()
+    with pytest.raises(RuntimeError, match="ended already"):
+        call.cancel()
+    held["late"].set_result(Digest(1))  # arrives after the cancel: not the next call's answer
+    assert isinstance(c.request(Ping()), Ok)
+    assert isinstance(c.request(Ping()), Ok)
+    assert c.connected  # a cancel keeps the connection
+
+
+def test_a_refused_sent_message_raises_at_its_reply_and_frees_the_client(endpoint):
+    held, client = endpoint
+    c = client("decode-1")
+    call = c.send(DigestRequest("bad", {0: [1]}, "full"), 20)
+    wait_for(lambda: "bad" in held, 20)
+    held["bad"].set_exception(MessageError("invalid", "cannot digest 'bad'"))
+    with pytest.raises(ControlError) as err:
+        call.reply()
+    assert err.value.code == "invalid"
+    assert isinstance(c.request(Ping()), Ok)
+
+
 @pytest.fixture
 def restartable():
     """An endpoint that can be restarted at its address, as a killed engine comes back."""
