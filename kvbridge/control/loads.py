@@ -401,8 +401,8 @@ class Loads:
         that does not arrive is freed by P's lease)."""
         params, rid = pending.params, pending.params.request_id
         self._finish_pending(rid, True, "")
-        for part in pending.parts.values():
-            self._tell(part.address, Release(rid, True, "", **self._me, token=params.token))
+        release = Release(rid, True, "", **self._me, token=params.token)
+        self._tell_all([(part.address, release) for part in pending.parts.values()])
 
     def _send_claims(self, parts: list[_Part]) -> list[_Claim]:
         """Send each P rank its ``PullStart`` now (one per endpoint at a time: a rank that shares
@@ -861,16 +861,32 @@ class Loads:
 
     def _tell(self, address: RankAddress, body: Release | Abort) -> None:
         """Send a P rank a release or abort; one that does not arrive is freed by P's lease."""
-        try:
-            self._peers.client(address.endpoint).request(body, self._ctx.deadlines.call)
-        except Exception as err:
-            log.info(
-                "request %s: %s not delivered to %s (%s); P's lease frees it",
-                body.request_id,
-                type(body).__name__.lower(),
-                address.endpoint,
-                err,
-            )
+        self._tell_all([(address, body)])
+
+    def _tell_all(self, tells: list[tuple[RankAddress, Release | Abort]]) -> None:
+        """``_tell`` each, all sent before any answer is read (one per endpoint at a time: a
+        rank that shares another's endpoint is told once the first answered)."""
+        timeout = self._ctx.deadlines.call
+        sent: list[tuple[RankAddress, Release | Abort, PendingReply | None]] = []
+        busy: set[str] = set()
+        for address, body in tells:
+            call = None
+            if address.endpoint not in busy:
+                busy.add(address.endpoint)
+                try:
+                    call = self._peers.client(address.endpoint).send(body, timeout)
+                except Exception as err:
+                    _not_delivered(address, body, err)
+                    continue
+            sent.append((address, body, call))
+        for address, body, call in sent:
+            try:
+                if call is not None:
+                    call.reply()
+                else:
+                    self._peers.client(address.endpoint).request(body, timeout)
+            except Exception as err:
+                _not_delivered(address, body, err)
 
     def _finish_pending(
         self, request_id: str, ok: bool, reason: str, *, closing: bool = False
@@ -909,6 +925,16 @@ class Loads:
             "request %s: %s %s %s", request_id, "done" if ok else "failed", reason, pending.stats
         )
         self._transfers.report_slow("load", request_id, pending.stats)
+
+
+def _not_delivered(address: RankAddress, body: Release | Abort, err: Exception) -> None:
+    log.info(
+        "request %s: %s not delivered to %s (%s); P's lease frees it",
+        body.request_id,
+        type(body).__name__.lower(),
+        address.endpoint,
+        err,
+    )
 
 
 def _stage(pp_rank: int, pp_size: int) -> str:
