@@ -45,8 +45,9 @@ class PlaneContext:
     #: that they never take a request worker (a frozen peer would starve every request) and a
     #: fence never queues behind requests waiting for workers
     peer_waits: ThreadPoolExecutor
-    #: D's asks to P (``PullStart``, ``PushRequest``): they run while the request worker plans
-    #: the read (the two need nothing of each other), one per P rank of a request
+    #: D's asks to P that wait on P (``PushRequest``, a layer-wise pull's ``StreamRequest``),
+    #: one per P rank of a request (a pull's ``PullStart`` goes out from the request worker,
+    #: which plans while P answers)
     asks: ThreadPoolExecutor
     #: P's digests for D's checks: memory-bound, off the endpoint's thread
     digests: ThreadPoolExecutor
