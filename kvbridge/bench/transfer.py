@@ -364,8 +364,8 @@ def _summary(
         "control_ms": _median(
             [(s["seconds"] - s["transfer_seconds"] - s["plan_seconds"]) * 1e3 for s in kv]
         ),
-        # Of the own cost: the wait for a plane worker, and D's claim until P answered (sent
-        # before planning, read after it).
+        # Of the own cost: the wait for a plane worker, and D's claim from its send until P's
+        # answer was read (sent before planning, read after it: it holds the planning).
         "queued_ms": _median([s["queued_seconds"] * 1e3 for s in kv]),
         "ask_ms": _median([s["ask_seconds"] * 1e3 for s in kv]),
         "gbps": gbps,

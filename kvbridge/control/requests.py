@@ -163,7 +163,8 @@ class RequestStats:
     #: waiting for a free worker of the plane
     queued_s: float = 0.0
     handshake_s: float = 0.0
-    #: D's request to P (pull: ``PullStart``, push: ``PushRequest``) until P answered
+    #: D's request to P (pull: ``PullStart``, push: ``PushRequest``) until P's answer was read
+    #: (a pull reads it once it planned: the wait for P is what exceeds ``plan_s``)
     ask_s: float = 0.0
     plan_s: float = 0.0
     transfer_s: float = 0.0
