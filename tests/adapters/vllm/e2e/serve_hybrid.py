@@ -42,6 +42,7 @@ from tests.adapters.vllm.e2e.serve_pd import (
     client_of,
     scrape,
     start_pair,
+    stop_all,
     tail,
     wait_ready,
 )
@@ -138,8 +139,7 @@ def run_serve_hybrid(
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
         raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
     finally:
-        for s in reversed(servers):
-            s.stop()
+        stop_all(servers)
     summary = {
         "model": ref.case.name,
         "transport": transport,

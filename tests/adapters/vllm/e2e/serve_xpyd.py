@@ -57,6 +57,7 @@ from tests.adapters.vllm.e2e.serve_pd import (
     free_ports,
     query_stream,
     scrape,
+    stop_all,
     tail,
     vllm_args,
     wait_healthy,
@@ -184,8 +185,7 @@ class Deployment:
         server.stop()
 
     def stop(self) -> None:
-        for server in reversed(list(self.servers.values())):
-            server.stop()
+        stop_all(self.servers.values())
 
     def tails(self) -> str:
         logs = sorted(self.work.glob("*.log"))

@@ -25,6 +25,7 @@ from tests.adapters.vllm.e2e.serve_pd import (
     Server,
     _env,
     free_ports,
+    stop_all,
     tail,
     wait_healthy,
 )
@@ -72,8 +73,7 @@ def test_a_pair_of_different_block_sizes_is_not_ready(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip
     finally:
-        for server in servers:
-            server.stop()
+        stop_all(servers)
     logs = "\n".join(f"--- {s.name}\n{tail(s.log)}" for s in servers)
     assert done.returncode == 1, f"{done.stderr}\n{logs}"
     assert done.stderr.count("\n") == 1, done.stderr
