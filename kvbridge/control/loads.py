@@ -59,7 +59,8 @@ from kvbridge.core.errors import (
 )
 from kvbridge.core.integrity import Verify
 from kvbridge.core.planning import TransferPlan
-from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair
+from kvbridge.core.rank_slices import check_coverage
+from kvbridge.core.tp import contact_ranks, plan_tp_pair
 from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 from kvbridge.core.transpose import received_transposes
 

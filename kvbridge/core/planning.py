@@ -43,6 +43,7 @@ from kvbridge.core.errors import BlockIdError, PlanError
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import GroupRegions, Layout, Part
 from kvbridge.core.memo import PairMemo
+from kvbridge.core.rank_slices import restrict_pair
 from kvbridge.core.stages import stage_pair
 from kvbridge.core.transpose import received_pair
 
@@ -642,8 +643,6 @@ def plan_transfers(
     if heads_differ_only(src, dst) or needs_unit_split(src, dst):
         # Heads stored whole on one side, per head on the other, or blocks of different kernel
         # sizes that hold heads' tokens in order only per head: plan the units both hold.
-        from kvbridge.core.tp import restrict_pair  # tp plans with this module
-
         pair = restrict_pair(src, dst)
         if pair is not None and pair.src is not None and pair.dst is not None:
             src, dst = pair.src, pair.dst

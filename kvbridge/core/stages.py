@@ -5,7 +5,7 @@ layers only, named by their global index, and one block table for all stages (a 
 the same tokens on every stage). A source worker and a destination worker therefore move the
 layers both hold, with the same block ids as between two whole engines: the pair is each
 layout restricted to those layers. Whether every layer of the destination is held by some
-source stage is the coverage check's question (``kvbridge.core.tp.check_coverage``).
+source stage is the coverage check's question (``kvbridge.core.rank_slices.check_coverage``).
 """
 
 from __future__ import annotations

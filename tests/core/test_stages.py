@@ -13,8 +13,9 @@ from vllm.distributed.utils import get_pp_indices
 from kvbridge.core import Layout, LayoutMismatchError, check_compatible
 from kvbridge.core.errors import PlanError
 from kvbridge.core.planning import plan_transfers
+from kvbridge.core.rank_slices import check_coverage
 from kvbridge.core.stages import layer_names, only_layers, stage_pair
-from kvbridge.core.tp import check_coverage, contact_ranks, plan_tp_pair, plan_tp_reads
+from kvbridge.core.tp import contact_ranks, plan_tp_pair, plan_tp_reads
 
 from .layouts import Arena, apply_plan
 from .test_tp import MODELS, request
