@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -25,9 +25,9 @@ from functools import partial
 
 import zmq
 
-from kvbridge.control.channel import PeerClient
+from kvbridge.control.channel import PeerClient, PendingReply
 from kvbridge.control.context import PlaneContext
-from kvbridge.control.messages import Handshake, Ping
+from kvbridge.control.messages import Handshake, Message, Ping
 from kvbridge.control.requests import RankAddress, RequestStats, timed
 from kvbridge.core.compat import check_compatible
 from kvbridge.core.errors import (
@@ -147,6 +147,26 @@ class Handshakes:
                 )
                 self._clients[endpoint] = client
             return client
+
+    def send_first(
+        self, calls: Sequence[tuple[str, Message]], timeout: float
+    ) -> list[PendingReply | Exception | None]:
+        """Send each message of ``calls`` (endpoint, message) whose endpoint has none before it
+        in the list, all before any answer is read: its ``PendingReply``, or the error that
+        stopped it. ``None`` for the others: a client carries one call at a time, so the caller
+        sends those once the endpoint's first has been answered."""
+        out: list[PendingReply | Exception | None] = []
+        busy: set[str] = set()
+        for endpoint, body in calls:
+            if endpoint in busy:
+                out.append(None)
+                continue
+            busy.add(endpoint)
+            try:
+                out.append(self.client(endpoint).send(body, timeout))
+            except Exception as err:
+                out.append(err)
+        return out
 
     def release_quiet(self, now: float) -> int:
         """Close the side-channel connections no call used for ``Deadlines.quiet`` (a peer that

@@ -406,26 +406,22 @@ class Loads:
         self._tell_all([(part.address, release) for part in pending.parts.values()])
 
     def _send_claims(self, parts: list[_Part]) -> list[_Claim]:
-        """Send each P rank its ``PullStart`` now (one per endpoint at a time: a rank that shares
+        """Send each P rank its ``PullStart`` now (``Handshakes.send_first``: a rank that shares
         another's endpoint sends its own when the first was answered)."""
-        claims, sent = [], set()
-        for part in parts:
-            claim = _Claim(part, time.monotonic())
-            endpoint = part.address.endpoint
-            if endpoint not in sent:
-                sent.add(endpoint)
-                try:
-                    claim.call = self._peers.client(endpoint).send(
-                        self._pull_start(part), self._ctx.deadlines.call
-                    )
-                except Exception as err:
-                    claim.error = err
-            claims.append(claim)
-        return claims
+        started = time.monotonic()
+        calls = [(part.address.endpoint, self._pull_start(part)) for part in parts]
+        sent = self._peers.send_first(calls, self._ctx.deadlines.call)
+        return [
+            _Claim(part, started, error=call)
+            if isinstance(call, Exception)
+            else _Claim(part, started, call)
+            for part, call in zip(parts, sent, strict=True)
+        ]
 
     def _end_claims(self, claims: list[_Claim], failed: bool = False) -> None:
         """Wait for every claim's answer (``_claim``); then raise the first that failed, unless
-        the load ``failed`` already. ``ask_s``: the longest claim."""
+        the load ``failed`` already (then a claim not sent yet is not sent, and none waits for
+        P to publish). ``ask_s``: the longest claim."""
         error: Exception | None = None
         # One bound for all: P's ranks publish the request together, and once one claim
         # failed the load has, so the rest are answered without waiting for a publish.
@@ -434,7 +430,9 @@ class Loads:
             try:
                 if claim.error is not None:
                     raise claim.error
-                self._claim(claim.part, claim.call, until if error is None else 0.0)
+                if failed and claim.call is None:
+                    continue
+                self._claim(claim.part, claim.call, 0.0 if failed or error else until)
             except Exception as err:
                 error = error or err
             finally:
@@ -865,27 +863,18 @@ class Loads:
         self._tell_all([(address, body)])
 
     def _tell_all(self, tells: list[tuple[RankAddress, Release | Abort]]) -> None:
-        """``_tell`` each, all sent before any answer is read (one per endpoint at a time: a
-        rank that shares another's endpoint is told once the first answered)."""
+        """``_tell`` each, all sent before any answer is read (``Handshakes.send_first``: a rank that
+        shares another's endpoint is told once the first answered)."""
         timeout = self._ctx.deadlines.call
-        sent: list[tuple[RankAddress, Release | Abort, PendingReply | None]] = []
-        busy: set[str] = set()
-        for address, body in tells:
-            call = None
-            if address.endpoint not in busy:
-                busy.add(address.endpoint)
-                try:
-                    call = self._peers.client(address.endpoint).send(body, timeout)
-                except Exception as err:
-                    _not_delivered(address, body, err)
-                    continue
-            sent.append((address, body, call))
-        for address, body, call in sent:
+        calls = self._peers.send_first([(a.endpoint, body) for a, body in tells], timeout)
+        for (address, body), call in zip(tells, calls, strict=True):
             try:
-                if call is not None:
-                    call.reply()
-                else:
+                if isinstance(call, Exception):
+                    raise call
+                if call is None:
                     self._peers.client(address.endpoint).request(body, timeout)
+                else:
+                    call.reply()
             except Exception as err:
                 _not_delivered(address, body, err)
 

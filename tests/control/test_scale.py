@@ -98,6 +98,51 @@ def test_a_quiet_prefill_is_released_and_met_again_at_the_next_request() -> None
 
 
 @pytest.mark.timeout(60)
+def test_send_first_tells_every_endpoint_before_any_answer_is_read() -> None:
+    """``Handshakes.send_first`` (D's pull claims and its releases to a request's P ranks): each
+    endpoint gets its first message at once, while no answer has come; a second one for the
+    same endpoint is left to the caller (a client carries one call at a time); a client that
+    cannot be had (the plane is closing) is an error in its place, not a raise."""
+    from concurrent.futures import Future
+
+    from kvbridge.bench.scale import _Host
+    from kvbridge.control.channel import Endpoint
+    from kvbridge.control.messages import Digest, DigestRequest, Message
+    from kvbridge.core.errors import ControlError
+    from tests.control.test_faults import wait_for
+
+    held: dict[str, Future[Message]] = {}
+
+    def handler(peer: str, body: Message) -> Message | Future[Message]:
+        assert isinstance(body, DigestRequest)
+        held[body.request_id] = Future()
+        return held[body.request_id]
+
+    a, b = Endpoint("p-a", handler), Endpoint("p-b", handler)
+    d = _Host(ScaleSpec())
+    try:
+        d.start("d", [(0, 0, 1)])
+        peers = d.planes[0].plane._peers
+        asks = [(a.address, "a1"), (a.address, "a2"), (b.address, "b1")]
+        sent = peers.send_first([(e, DigestRequest(r, {0: [1]}, "full")) for e, r in asks], 20)
+        assert sent[1] is None, "a second call went to an endpoint with one in flight"
+        wait_for(lambda: set(held) == {"a1", "b1"}, 20)  # both arrived, no answer read yet
+        for rid, future in held.items():
+            future.set_result(Digest(len(rid)))
+        first_a, first_b = sent[0], sent[2]
+        assert not isinstance(first_a, Exception) and first_a is not None
+        assert not isinstance(first_b, Exception) and first_b is not None
+        assert (first_a.reply(), first_b.reply()) == (Digest(2), Digest(2))
+        peers.close()
+        (refused,) = peers.send_first([(a.address, DigestRequest("a3", {0: [1]}, "full"))], 20)
+        assert isinstance(refused, ControlError) and refused.code == "closed", refused
+    finally:
+        d.close()
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
 def test_closing_while_early_handshakes_wait_for_absent_prefills() -> None:
     """A D closing while its early handshakes still wait for P ranks that are not up, or that
     accept a connection and never answer (frozen), returns: their clients share one zmq
