@@ -8,6 +8,7 @@ this tree.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ BASES = (
     "https://raw.githubusercontent.com/kvbridge/kvbridge/main/",
 )
 README_MAX_LINES = 150
+#: Where the install lines take kvbridge from until it has a release on PyPI.
+REPO_URL = "git+https://github.com/kvbridge/kvbridge"
 
 
 def _ids(blocks: list[Block]) -> list[str]:
@@ -91,8 +94,10 @@ def test_static_block_parses_and_names_real_scripts(block: Block) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("block", of_kind("install"), ids=_ids(of_kind("install")))
 def test_install_block_in_a_fresh_virtualenv(block: Block, tmp_path: Path) -> None:
-    """The block as written, where ``kvbridge`` is this checkout's wheel; then the CLI runs,
-    and what it installed has no torch and no vLLM (the lean install the README promises)."""
+    """The block as written, where the repository it installs kvbridge from is this checkout's
+    wheel (no network but the package index here); then the CLI runs, and what it installed has
+    no torch and no vLLM (the lean install the README promises)."""
+    assert f"@ {REPO_URL}'" in block.text, f"{block.where}: kvbridge not installed from {REPO_URL}"
     wheels = tmp_path / "wheels"
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
@@ -101,10 +106,11 @@ def test_install_block_in_a_fresh_virtualenv(block: Block, tmp_path: Path) -> No
         timeout=600,
     )
     assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = wheels.glob("kvbridge-*.whl")
+    block = dataclasses.replace(block, text=block.text.replace(REPO_URL, wheel.as_uri()))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     env = _env(venv / "bin")
-    env["PIP_FIND_LINKS"] = str(wheels)
     shim = tmp_path / "shim"
     shim.mkdir()
     if os.geteuid() == 0 and shutil.which("sudo") is None:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.adapters.vllm.e2e import faults as fault_kit
-from tests.adapters.vllm.e2e.run_pd import CORE_D, CORE_P, Engine, Reference, kv_config
+from tests.adapters.vllm.e2e.run_pd import CORE_D, CORE_P, Engine, Reference, close_all, kv_config
 
 FAULTS = ("none", "freeze_p", "freeze_d", "stutter_p", "stutter_d", "kill_p", "kill_d",
           "late_write")  # fmt: skip
@@ -273,9 +273,8 @@ class VllmSoak:
         return usage
 
     def close(self) -> None:
-        for eng in (self.d, self.p):
-            with contextlib.suppress(Exception):
-                eng.close()
+        with contextlib.suppress(Exception):
+            close_all([self.d, self.p])
 
 
 def run(
