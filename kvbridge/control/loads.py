@@ -863,8 +863,8 @@ class Loads:
         self._tell_all([(address, body)])
 
     def _tell_all(self, tells: list[tuple[RankAddress, Release | Abort]]) -> None:
-        """``_tell`` each, all sent before any answer is read (``Handshakes.send_first``: a rank that
-        shares another's endpoint is told once the first answered)."""
+        """``_tell`` each, all sent before any answer is read (``Handshakes.send_first``: a
+        rank that shares another's endpoint is told once the first answered)."""
         timeout = self._ctx.deadlines.call
         calls = self._peers.send_first([(a.endpoint, body) for a, body in tells], timeout)
         for (address, body), call in zip(tells, calls, strict=True):
