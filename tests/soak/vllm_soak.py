@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.adapters.vllm.e2e import faults as fault_kit
-from tests.adapters.vllm.e2e.run_pd import CORE_D, CORE_P, Engine, Reference, close_all, kv_config
+from tests.adapters.vllm.e2e.run_pd import CORE_D, CORE_P, Engine, Reference, kv_config, stop_all
 
 FAULTS = ("none", "freeze_p", "freeze_d", "stutter_p", "stutter_d", "kill_p", "kill_d",
           "late_write")  # fmt: skip
@@ -274,7 +274,7 @@ class VllmSoak:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            close_all([self.d, self.p])
+            stop_all([self.d, self.p])
 
 
 def run(

@@ -37,10 +37,10 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 #: How long the prefill engine is stopped in the "P frozen" check: beyond the 10 s timeout.
 FREEZE_S = 12.0
@@ -532,34 +532,42 @@ class Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
 
-    def shut(self) -> None:
-        """Ask the engine to shut down (``close`` waits for it); once."""
+    def terminate(self) -> None:
+        """Ask the engine to shut down (``stop`` waits for it); once."""
         with contextlib.suppress(OSError, EOFError, BrokenPipeError):
             if self.proc.is_alive() and not self._shut:
                 self.conn.send(None)
         self._shut = True
 
-    def close(self, until: float | None = None) -> None:
-        """Shut the engine down, killing it if it has not gone by ``until`` (monotonic; 30 s
-        from now by default) or 10 s after it said it had."""
-        until = time.monotonic() + 30 if until is None else until
-        self.shut()
+    def stop(self, grace: float = 30.0) -> None:
+        """Shut the engine down, killing it if it has not gone within ``grace`` seconds or 10 s
+        after it said it had."""
+        self.terminate()
         with contextlib.suppress(OSError, EOFError, BrokenPipeError):
-            if self.proc.is_alive() and self.conn.poll(max(0.0, until - time.monotonic())):
+            if self.proc.is_alive() and self.conn.poll(grace):
                 self.conn.recv()
         self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
 
 
-def close_all(engines: list[Engine], grace: float = 30.0) -> None:
-    """Close engines together: each is told first, so their shutdowns (about 5 s each here,
-    vLLM's workers and engine core exiting) overlap; each gets what is left of one ``grace``."""
-    for e in engines:
-        e.shut()
+class Stoppable(Protocol):
+    """An engine or a server: told to stop, then waited for."""
+
+    def terminate(self) -> None: ...
+
+    def stop(self, grace: float) -> None: ...
+
+
+def stop_all(procs: Iterable[Stoppable], grace: float = 30.0) -> None:
+    """Stop engines or servers together: every one is told first, so their shutdowns (about
+    5 s each for a vLLM engine here) overlap; each then gets what is left of one ``grace``."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
     until = time.monotonic() + grace
-    for e in engines:
-        e.close(until)
+    for proc in procs:
+        proc.stop(max(0.0, until - time.monotonic()))
 
 
 def kv_config(
@@ -624,8 +632,8 @@ def reference(
         return [eng.generate(p, max_tokens, None, top2=True) for p in prompts]
     finally:
         # Its shutdown (about 5 s of one core) overlaps the start of the engines that follow.
-        eng.shut()
-        threading.Thread(target=eng.close, name="close-reference", daemon=True).start()
+        eng.terminate()
+        threading.Thread(target=eng.stop, name="stop-reference", daemon=True).start()
 
 
 def control_prompt(prompts: list[list[int]]) -> list[int]:
@@ -951,7 +959,7 @@ def run_pair(
                 f"in {summary['p_killed']['d_total_s']:.1f} s"
             )
     finally:
-        close_all([d, p])
+        stop_all([d, p])
     summary["results"] = results
     repeats = [r for r in results if r["repeat"]]
     if not case.prefix_cache or (ref.repeat_hit == 0 and not case.d_hit_beyond_single):

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference
+from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference, stop_all
 from tests.adapters.vllm.e2e.serve_pd import (
     BYTES,
     FAILURES,
@@ -42,7 +42,6 @@ from tests.adapters.vllm.e2e.serve_pd import (
     client_of,
     scrape,
     start_pair,
-    stop_all,
     tail,
     wait_ready,
 )
@@ -139,7 +138,7 @@ def run_serve_hybrid(
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
         raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
     finally:
-        stop_all(servers)
+        stop_all(servers, grace=20.0)
     summary = {
         "model": ref.case.name,
         "transport": transport,

@@ -29,11 +29,10 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference
+from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference, stop_all
 from tests.netns import Host
 
 REPO = Path(__file__).resolve().parents[4]
@@ -118,17 +117,6 @@ class Server:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self._out.close()
-
-
-def stop_all(servers: Iterable[Server], grace: float = 20.0) -> None:
-    """Stop servers together: every one is told first, so their shutdowns (5-8 s each for a
-    vLLM server here) overlap; each then gets what is left of one shared ``grace``."""
-    servers = list(servers)
-    for s in servers:
-        s.terminate()
-    until = time.monotonic() + grace
-    for s in servers:
-        s.stop(max(0.0, until - time.monotonic()))
 
 
 #: The deployment scripts users start (README "Deploying"): the tests launch through them.
@@ -696,7 +684,7 @@ def run_serve(
         tails = "\n".join(f"--- {k} log ({p}) ---\n{tail(p)}" for k, p in logs.items())
         raise ServeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
     finally:
-        stop_all(servers)
+        stop_all(servers, grace=20.0)
     as_prompt0 = ctl["d_tokens"] == ref.tokens[0]
     summary = {
         "model": ref.case.name,

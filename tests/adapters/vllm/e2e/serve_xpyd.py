@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference
+from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference, stop_all
 from tests.adapters.vllm.e2e.serve_pd import (
     BYTES,
     DEPLOY,
@@ -57,7 +57,6 @@ from tests.adapters.vllm.e2e.serve_pd import (
     free_ports,
     query_stream,
     scrape,
-    stop_all,
     tail,
     vllm_args,
     wait_healthy,
@@ -185,7 +184,7 @@ class Deployment:
         server.stop()
 
     def stop(self) -> None:
-        stop_all(self.servers.values())
+        stop_all(self.servers.values(), grace=20.0)
 
     def tails(self) -> str:
         logs = sorted(self.work.glob("*.log"))

@@ -17,6 +17,7 @@ import pytest
 
 from tests.adapters.vllm.e2e.marks import E2E
 from tests.adapters.vllm.e2e.models import build_llama
+from tests.adapters.vllm.e2e.run_pd import stop_all
 from tests.adapters.vllm.e2e.serve_pd import (
     CORE_D,
     CORE_P,
@@ -25,7 +26,6 @@ from tests.adapters.vllm.e2e.serve_pd import (
     Server,
     _env,
     free_ports,
-    stop_all,
     tail,
     wait_healthy,
 )
@@ -73,7 +73,7 @@ def test_a_pair_of_different_block_sizes_is_not_ready(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip
     finally:
-        stop_all(servers)
+        stop_all(servers, grace=20.0)
     logs = "\n".join(f"--- {s.name}\n{tail(s.log)}" for s in servers)
     assert done.returncode == 1, f"{done.stderr}\n{logs}"
     assert done.stderr.count("\n") == 1, done.stderr
