@@ -25,6 +25,11 @@ IdArray = npt.NDArray[np.int64]
 GroupBlockIds = Mapping[int, Sequence[int] | IdArray]
 
 
+#: Up to this many ids Python's own loops check them faster than numpy calls (a microsecond
+#: or two each, whatever their size): the range by ``min``/``max``, repeats by a set.
+_SMALL_IDS = 64
+
+
 def as_block_ids(ids: object, group: CacheGroup, side: str) -> IdArray:
     """Block ids as an int64 array, checked against the group's pool and for repeats."""
     try:
@@ -33,8 +38,12 @@ def as_block_ids(ids: object, group: CacheGroup, side: str) -> IdArray:
         raise BlockIdError(
             f"{side} block ids of group {group.index} are not integers: {err}"
         ) from None
-    # One comparison finds both ends: a negative id read as unsigned is past any pool.
-    if arr.size and np.count_nonzero(arr.view(np.uint64) >= group.num_blocks):
+    if arr.size <= _SMALL_IDS:  # numpy's fixed cost per call outweighs a loop this short
+        listed = arr.tolist()
+        outside = bool(listed) and (min(listed) < 0 or max(listed) >= group.num_blocks)
+    else:  # one comparison finds both ends: a negative id read as unsigned is past any pool
+        outside = bool(np.count_nonzero(arr.view(np.uint64) >= group.num_blocks))
+    if outside:
         bad = np.flatnonzero((arr < 0) | (arr >= group.num_blocks))
         if bad.size:
             raise BlockIdError(
@@ -96,10 +105,6 @@ class CheckedGroupIds:
     group: CacheGroup
     given: IdArray
     kept: IdArray
-
-
-#: Up to this many ids a set finds repeats faster than a sort (numpy's fixed cost per call).
-_SMALL_IDS = 64
 
 
 def _repeats(ids: IdArray) -> bool:

@@ -183,6 +183,8 @@ class _GroupDescriptors:
     #: when set, the arrays are rows of this many descriptors, each row merged already: sorted
     #: by source, sources disjoint, no two neighbours joinable (only row boundaries may be)
     row_length: int | None = None
+    #: the bytes all the descriptors move, when known without summing ``lengths``
+    nbytes: int | None = None
 
 
 def _side_offsets(
@@ -295,52 +297,92 @@ def _rows_of(arrays: tuple[npt.NDArray[np.int64], ...]) -> _Rows | None:
     return _Rows(s_off.copy(), d_off.copy(), ss, ds, length)
 
 
-def _merge_rows(
-    rows: _Rows,
-    src_ids: npt.NDArray[np.int64],
-    dst_ids: npt.NDArray[np.int64],
-    sort_runs: bool,
-    count: int = 0,
-) -> _GroupDescriptors:
-    """The in-order merge of a group whose blocks are one descriptor each, done on block ids.
+#: Up to this many block ids a group's runs are found on Python ints (``_runs_listed``): a
+#: loop over a few dozen ids costs less than the numpy calls (a microsecond or two each,
+#: whatever their size) that find them in a long request.
+_LISTED_RUNS = 64
 
-    Every row steps from block to block alike, so whether block ``b+1`` continues block ``b``
-    depends on the ids alone: the runs are found once for all rows, and only each run's first
-    descriptor is ever built.
 
-    With ``sort_runs`` each row lists its runs by source address instead of request order. The
-    merged plan is the same (maximal runs sorted by source, which are unique when sources do
-    not overlap), but regions laid out one after another then come out sorted already, which
-    spares ``merge_descriptors`` its sort. Runs that meet once sorted (a request that holds
-    blocks 5-6 before 1-2 and then 7) are joined here too, on the ids, once for all rows: each
-    row is then merged already, and only the boundaries between rows are left to check.
+@dataclass(frozen=True)
+class _Runs:
+    """A group's block ids as maximal runs: each run's first source and destination id and its
+    length in blocks (``blocks``), and what ``_merge_rows`` concludes from them.
 
-    ``count``: the group's descriptors before merging, carried into the result. Most requests
-    are a handful of runs, so the numpy calls are kept few (each costs a microsecond or two
-    whatever its size): one run, the common case, is found with two differences and a test.
+    ``row_length`` is set when the runs are sorted by source and joined where they meet (a row
+    merged already, see ``_merge_rows``); ``dst_low``/``dst_high`` are the lowest and highest
+    destination ids.
+    """
+
+    first_src: IdArray
+    first_dst: IdArray
+    blocks: IdArray
+    row_length: int | None
+    dst_low: int
+    dst_high: int
+
+
+def _runs_listed(src_ids: IdArray, dst_ids: IdArray, rows: _Rows, sort_runs: bool) -> _Runs | None:
+    """``_runs_vectorised`` on Python ints, for a few dozen ids; ``None`` for one run.
+
+    Id ``s`` continues the run that starts at ``fs`` and holds ``b`` blocks exactly when
+    ``(s - fs) * step == b * length`` on both sides: the same test joins the next block of a
+    run and, once sorted, two runs that meet.
+    """
+    ss, ds, length = rows.s_step, rows.d_step, rows.length
+    src, dst = src_ids.tolist(), dst_ids.tolist()
+    runs: list[tuple[int, int, int]] = []  # first source id, first destination id, blocks
+    fs, fd, blocks = src[0], dst[0], 0
+    for s, d in zip(src, dst, strict=True):
+        span = blocks * length
+        if (s - fs) * ss != span or (d - fd) * ds != span:
+            runs.append((fs, fd, blocks))
+            fs, fd, blocks = s, d, 0
+        blocks += 1
+    if not runs:
+        return None
+    runs.append((fs, fd, blocks))
+    row_length = None
+    if sort_runs and ss > 0:
+        runs.sort()  # ids are distinct: by first source id alone
+        if 0 < length <= ss:
+            joined = runs[:1]
+            fs, fd, blocks = joined.pop()
+            for s, d, b in runs[1:]:
+                span = blocks * length
+                if (s - fs) * ss == span and (d - fd) * ds == span:
+                    blocks += b
+                else:
+                    joined.append((fs, fd, blocks))
+                    fs, fd, blocks = s, d, b
+            joined.append((fs, fd, blocks))
+            runs = joined
+            row_length = len(runs)
+    first_src, first_dst, blocks = np.array(runs, dtype=np.int64).T
+    return _Runs(first_src, first_dst, blocks, row_length, min(dst), max(dst))
+
+
+def _runs_vectorised(
+    src_ids: IdArray, dst_ids: IdArray, rows: _Rows, sort_runs: bool
+) -> _Runs | None:
+    """The maximal runs of a group's block ids (``_Runs``), ``None`` for one run.
+
+    Block ``b+1`` continues block ``b`` when both ids step by one block's bytes. With
+    ``sort_runs`` (and a positive source step) runs are listed by first source id, and where
+    each block is no longer than the step those that meet once sorted (a request that holds
+    blocks 5-6 before 1-2 and then 7) are joined: the row is then merged already.
     """
     ss, ds, length = rows.s_step, rows.d_step, rows.length
     size = int(src_ids.size)
     # Dense blocks (a block's bytes end where the next id's begin, on both sides): a block
     # continues another exactly when both ids are one more, no product needed.
     dense = 0 < length == ss == ds
-    joins = None
-    if size > 1:
-        s_gap, d_gap = src_ids[1:] - src_ids[:-1], dst_ids[1:] - dst_ids[:-1]
-        if dense:
-            joins = (s_gap == 1) & (d_gap == 1)
-        else:
-            joins = (s_gap * ss == length) & (d_gap * ds == length)
-    if joins is None or joins.all():  # one run: every row is one descriptor
-        s = rows.s_off + int(src_ids[0]) * ss if size else rows.s_off[:0]
-        d = rows.d_off + int(dst_ids[0]) * ds if size else rows.d_off[:0]
-        n = np.full(s.size, size * length, dtype=np.int64)
-        row_length = (1 if size else 0) if sort_runs and ss > 0 and 0 < length <= ss else None
-        extents = None
-        if size and 0 < length <= ds:  # one run of distinct ids: it is the extent
-            low = int(dst_ids[0]) * ds
-            extents = rows.d_off[:, None] + np.array((low, low + size * length), dtype=np.int64)
-        return _GroupDescriptors(s, d, n, count, extents, row_length)
+    s_gap, d_gap = src_ids[1:] - src_ids[:-1], dst_ids[1:] - dst_ids[:-1]
+    if dense:
+        joins = (s_gap == 1) & (d_gap == 1)
+    else:
+        joins = (s_gap * ss == length) & (d_gap * ds == length)
+    if joins.all():
+        return None
     heads = np.flatnonzero(np.concatenate(((True,), ~joins)))
     first_src, first_dst = src_ids[heads], dst_ids[heads]
     blocks = np.empty_like(heads)
@@ -364,17 +406,63 @@ def _merge_rows(
                 first_src, first_dst = first_src[keep], first_dst[keep]
                 blocks = np.add.reduceat(blocks, keep)
             row_length = int(first_src.size)
-    s = (rows.s_off[:, None] + first_src * ss).reshape(-1)
-    d = (rows.d_off[:, None] + first_dst * ds).reshape(-1)
-    n = np.empty((rows.s_off.size, first_src.size), dtype=np.int64)
-    n[:] = blocks * length
+    return _Runs(first_src, first_dst, blocks, row_length, int(dst_ids.min()), int(dst_ids.max()))
+
+
+def _merge_rows(
+    rows: _Rows,
+    src_ids: npt.NDArray[np.int64],
+    dst_ids: npt.NDArray[np.int64],
+    sort_runs: bool,
+    count: int = 0,
+) -> _GroupDescriptors:
+    """The in-order merge of a group whose blocks are one descriptor each, done on block ids.
+
+    Every row steps from block to block alike, so whether block ``b+1`` continues block ``b``
+    depends on the ids alone: the runs are found once for all rows (``_Runs``), and only each
+    run's first descriptor is ever built.
+
+    With ``sort_runs`` each row lists its runs by source address instead of request order. The
+    merged plan is the same (maximal runs sorted by source, which are unique when sources do
+    not overlap), but regions laid out one after another then come out sorted already, which
+    spares ``merge_descriptors`` its sort. Runs that meet once sorted are joined on the ids,
+    once for all rows: each row is then merged already, and only the boundaries between rows
+    are left to check.
+
+    ``count``: the group's descriptors before merging, carried into the result. Most requests
+    are a handful of runs, so the numpy calls are kept few: a short request's runs are found on
+    Python ints, and one run, the common case, builds no runs at all.
+    """
+    ss, ds, length = rows.s_step, rows.d_step, rows.length
+    size = int(src_ids.size)
+    runs = None
+    if size > 1:
+        find = _runs_listed if size <= _LISTED_RUNS else _runs_vectorised
+        runs = find(src_ids, dst_ids, rows, sort_runs)
+    regions = int(rows.s_off.size)
+    nbytes = regions * size * length
+    if runs is None:  # one run: every row is one descriptor
+        s = rows.s_off + int(src_ids[0]) * ss if size else rows.s_off[:0]
+        d = rows.d_off + int(dst_ids[0]) * ds if size else rows.d_off[:0]
+        n = np.full(s.size, size * length, dtype=np.int64)
+        row_length = (1 if size else 0) if sort_runs and ss > 0 and 0 < length <= ss else None
+        extents = None
+        if size and 0 < length <= ds:  # one run of distinct ids: it is the extent
+            low = int(dst_ids[0]) * ds
+            extents = rows.d_off[:, None] + np.array((low, low + size * length), dtype=np.int64)
+        return _GroupDescriptors(s, d, n, count, extents, row_length, nbytes)
+    s = (rows.s_off[:, None] + runs.first_src * ss).reshape(-1)
+    d = (rows.d_off[:, None] + runs.first_dst * ds).reshape(-1)
+    n = runs.blocks * length
+    if regions > 1:  # every row moves the same runs
+        n = np.broadcast_to(n, (regions, n.size)).reshape(-1)
     extents = None
     if 0 < length <= ds:
         # Distinct ids (checked) a step apart, each block no longer than the step: a region's
         # blocks never overlap, and all of them lie between its lowest and highest block.
-        low, high = int(dst_ids.min()) * ds, int(dst_ids.max()) * ds + length
+        low, high = runs.dst_low * ds, runs.dst_high * ds + length
         extents = rows.d_off[:, None] + np.array((low, high), dtype=np.int64)
-    return _GroupDescriptors(s, d, n.reshape(-1), count, extents, row_length)
+    return _GroupDescriptors(s, d, n, count, extents, runs.row_length, nbytes)
 
 
 @dataclass(frozen=True)
@@ -596,6 +684,42 @@ def _check_disjoint(addrs: AddrArray, lengths: AddrArray, side: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _PlannedPair:
+    """Two layouts as the planner plans them (``_planned_pair``): ``None`` for a side planned
+    as given (kept in the destination's memo, a value must not hold the layouts themselves, or
+    a gone peer's layout would live on); ``shared``, for pipeline stages, the groups of the
+    layers both hold (block ids of other groups do not move)."""
+
+    src: Layout | None
+    dst: Layout | None
+    shared: frozenset[int] | None
+
+
+def _planned_pair(src: Layout, dst: Layout) -> _PlannedPair | None:
+    """What ``plan_transfers`` plans instead of ``src`` and ``dst`` (``None``: two pipeline
+    stages that share no layer). It depends on the two layouts alone: built once per pair."""
+    staged = stage_pair(src, dst)  # pipeline stages: the layers both hold
+    if staged is None:
+        return None
+    s, d = staged
+    shared = None
+    if s is not src or d is not dst:
+        shared = frozenset(s.groups) & frozenset(d.groups)
+    # A token-major side facing a head-major one is planned as head-major (transposed on receive).
+    s, d = received_pair(s, d)
+    if heads_differ_only(s, d) or needs_unit_split(s, d):
+        # Heads stored whole on one side, per head on the other, or blocks of different kernel
+        # sizes that hold heads' tokens in order only per head: plan the units both hold.
+        pair = restrict_pair(s, d)
+        if pair is not None and pair.src is not None and pair.dst is not None:
+            s, d = pair.src, pair.dst
+    return _PlannedPair(None if s is src else s, None if d is dst else d, shared)
+
+
+_PLANNED_PAIRS: PairMemo[Layout, Layout, _PlannedPair | None] = PairMemo(_planned_pair)
+
+
 def plan_transfers(
     src: Layout,
     dst: Layout,
@@ -627,25 +751,18 @@ def plan_transfers(
         dst_first_token = dst_block_ids.first_token
     if check:
         check_compatible(src, dst, ("source", "destination"))
-    staged = stage_pair(src, dst)  # pipeline stages: the layers both hold
-    if staged is None:
+    planned = _PLANNED_PAIRS(src, dst)
+    if planned is None:
         raise PlanError(
             "the two pipeline stages hold no layer in common: nothing moves between them "
             "(plan_tp_pair answers None for such a pair)"
         )
-    if staged[0] is not src or staged[1] is not dst:
-        src, dst = staged
-        shared = set(src.groups) & set(dst.groups)
+    if planned.shared is not None:  # pipeline stages: the groups of the layers both hold
+        shared = planned.shared
         src_block_ids = only_groups(src_block_ids, [g for g in src_block_ids if g in shared])
         dst_block_ids = only_groups(dst_block_ids, [g for g in dst_block_ids if g in shared])
-    # A token-major side facing a head-major one is planned as head-major (transposed on receive).
-    src, dst = received_pair(src, dst)
-    if heads_differ_only(src, dst) or needs_unit_split(src, dst):
-        # Heads stored whole on one side, per head on the other, or blocks of different kernel
-        # sizes that hold heads' tokens in order only per head: plan the units both hold.
-        pair = restrict_pair(src, dst)
-        if pair is not None and pair.src is not None and pair.dst is not None:
-            src, dst = pair.src, pair.dst
+    src = src if planned.src is None else planned.src
+    dst = dst if planned.dst is None else planned.dst
     missing = set(src_block_ids) ^ set(dst_block_ids)
     if missing:
         raise BlockIdError(
@@ -736,7 +853,7 @@ def _group_stats(dst: GroupRegions, dst_ids: IdArray, part: _GroupDescriptors) -
         len(dst.regions),
         int(dst_ids.size),
         part.count,
-        int(part.lengths.sum()),
+        int(part.lengths.sum()) if part.nbytes is None else part.nbytes,
     )
 
 

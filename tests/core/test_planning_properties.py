@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -266,3 +268,60 @@ def test_between_different_block_sizes_the_plan_matches_reference_and_is_minimal
         one = reference_descriptors(p, d, p_ids, d_ids, layer=name, dst_first_token=first)
         assert part.count == minimum_descriptor_count(one)
         assert part.nbytes == sum(n for _, _, n in one)
+
+
+@st.composite
+def request_ids(draw, pool: int = 400):
+    """Distinct ids in runs of a contiguous range, cut into chunks listed in a random order
+    (runs that meet only once sorted), 1 to a few hundred of them: both sides of the
+    planner's short-request threshold."""
+    total = draw(st.integers(1, 300))
+    cuts = sorted(draw(st.sets(st.integers(1, total - 1), max_size=12))) if total > 1 else []
+    bounds = [0, *cuts, total]
+    chunks = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    order = draw(st.permutations(range(len(chunks))))
+    start = draw(st.integers(0, pool - total))
+    step = draw(st.sampled_from([1, 1, 2]))
+    return [start + step * i for k in order for i in chunks[k]]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    src=request_ids(),
+    dst_seed=st.integers(0, 2**32 - 1),
+    steps=st.sampled_from(
+        # (source step, destination step, length): dense blocks, blocks shorter than the step,
+        # ids two apart per block, a step of zero (every id at one address)
+        [(8, 8, 8), (16, 8, 8), (8, 16, 8), (16, 16, 8), (4, 4, 8), (4, 8, 8), (0, 8, 8)]
+    ),
+    sort_runs=st.booleans(),
+    same_runs=st.booleans(),
+)
+def test_short_requests_find_the_runs_long_ones_do(src, dst_seed, steps, sort_runs, same_runs):
+    """The runs of a short request are found on Python ints (``_runs_listed``), those of a
+    long one with numpy (``_runs_vectorised``): for any ids both give the same runs."""
+    from kvbridge.core.planning import _Rows, _runs_listed, _runs_vectorised
+
+    rng = np.random.default_rng(dst_seed)
+    if same_runs:  # the destination's runs line up with the source's
+        dst = [i + 1000 for i in src]
+    else:
+        dst = (rng.permutation(len(src) + 40)[: len(src)] + 500).tolist()
+        if rng.random() < 0.5:
+            dst.sort()
+    ss, ds, length = steps
+    rows = _Rows(np.zeros(2, np.int64), np.zeros(2, np.int64), ss, ds, length)
+    s, d = np.array(src, np.int64), np.array(dst, np.int64)
+    listed = _runs_listed(s, d, rows, sort_runs)
+    vectorised = _runs_vectorised(s, d, rows, sort_runs) if s.size > 1 else None
+    event(f"runs: {'one' if listed is None else 'several'}")
+    if listed is None or vectorised is None:
+        assert listed is vectorised
+        return
+    for name in ("first_src", "first_dst", "blocks"):
+        assert getattr(listed, name).tolist() == getattr(vectorised, name).tolist(), name
+    assert (listed.row_length, listed.dst_low, listed.dst_high) == (
+        vectorised.row_length,
+        vectorised.dst_low,
+        vectorised.dst_high,
+    )
