@@ -1,8 +1,9 @@
 """The wheels the GPU check carries to a machine with no package registry, fetched and sized here.
 
 The GPU machine has Python 3.12, torch for CUDA 13, numpy, rich, xxhash and pytest, but no NIXL,
-msgspec or pyzmq, and no network: the wheels travel with the working tree, whose whole size (the
-repository's tracked files and the wheels) must stay within the machine's limit (64 MiB a call).
+msgspec, pyzmq or stevedore, and no network: the wheels travel with the working tree, whose
+whole size (the repository's tracked files and the wheels) must stay within the machine's limit
+(64 MiB a call).
 
 ``python -m benchmarks.gpu.carry fetch`` downloads exactly ``WHEELS`` for CPython 3.12 on
 manylinux x86-64 into ``WHEEL_DIR`` (ignored by git), builds kvbridge's own wheel there (its
@@ -26,9 +27,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 #: Where the carried wheels lie (``.gitignore`` keeps them out of the repository).
 WHEEL_DIR = REPO / ".whl-gpu"
-#: What the GPU machine lacks, pinned: NIXL's selector and its CUDA 13 build, and kvbridge's two
-#: compiled dependencies (the versions this repository's environment runs).
-WHEELS = ("nixl==1.5.1", "nixl-cu13==1.5.1", "msgspec==0.23.0", "pyzmq==27.3.0")
+#: What the GPU machine lacks, pinned: NIXL's selector and its CUDA 13 build, kvbridge's two
+#: compiled dependencies and its plugin loader (the versions this repository's environment runs).
+WHEELS = (
+    "nixl==1.5.1",
+    "nixl-cu13==1.5.1",
+    "msgspec==0.23.0",
+    "pyzmq==27.3.0",
+    "stevedore==5.10.0",
+)
 #: Path prefixes inside a wheel that the check never imports.
 STRIP = {"nixl_cu13": ("nixl_ep_cu13/",)}
 #: What one call to the GPU machine may carry: the working tree and the wheels together.

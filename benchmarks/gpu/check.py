@@ -58,7 +58,7 @@ def environment(device: str) -> dict[str, Any]:
             out["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
     except Exception as err:  # the check says what is missing; it does not stop here
         out["torch_error"] = f"{type(err).__name__}: {err}"
-    for module in ("nixl", "msgspec", "zmq", "kvbridge"):
+    for module in ("nixl", "msgspec", "zmq", "stevedore", "kvbridge"):
         try:
             found = __import__(module)
             out[module] = getattr(found, "__version__", "present")

@@ -1,15 +1,22 @@
 """Transports by name: installed ones and ones registered in this process.
 
-Installed transports are entry points of the group ``kvbridge.transports``, read from the
-distributions' metadata (``importlib.metadata``) on every lookup, so a transport installed or
-removed since the last look is seen. Reading metadata imports nothing; ``load_transport(name)``
-imports only the plugin of ``name``, so a broken or heavy plugin under another name is never
-imported (``available_transports`` imports them all, to say which are usable).
+Installed transports are entry points of the group ``kvbridge.transports``; stevedore's managers
+load them (``NamedExtensionManager``, its ``on_load_failure_callback``). Which entry points there
+are is read from the distributions' metadata (``importlib.metadata``) on every lookup and handed
+to the manager (``_PluginManager.list_entry_points``), not from stevedore's entry-point cache:
+that cache keeps, for the life of the process, what it read first (a transport installed since
+would stay unseen), and the entry points it returns no longer say which distribution declares
+them (a conflict could not name both). ``tests/core/test_registry.py`` shows both against
+stevedore itself.
+
+Reading metadata imports nothing; ``load_transport(name)`` imports only the plugin of ``name``,
+so a broken or heavy plugin under another name is never imported (``available_transports``
+imports them all, to say which are usable).
 
 A name belongs to one distribution: when two distributions declare it, loading it is refused
-with both named (``TransportConflictError``). A distribution found twice on ``sys.path`` (an
-editable install and its source tree, say) counts once: the first found, as
-``importlib.metadata.entry_points`` does.
+with both named (``TransportConflictError``), before either plugin is imported. A distribution
+found twice on ``sys.path`` (an editable install and its source tree, say) counts once: the
+first found, as ``importlib.metadata.entry_points`` does.
 
 Options are checked against the class before it is built (``kvbridge.core.contract``): a name it
 does not take or a value of the wrong type raises ``TransportOptionError`` with the transport's
@@ -29,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, distributions
 from typing import Any
+
+from stevedore import ExtensionManager, NamedExtensionManager
 
 from kvbridge.core.contract import check_transport_options
 from kvbridge.core.errors import (
@@ -114,15 +123,46 @@ def _describe_class(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+class _PluginManager(NamedExtensionManager[Any]):
+    """stevedore's manager of one installed plugin, the entry point kvbridge found for it.
+
+    ``list_entry_points`` (stevedore's public hook for where entry points come from) answers
+    that entry, read fresh from the metadata (see the module docstring), instead of stevedore's
+    cache; the manager loads it by its name. A plugin that fails to import is kept in
+    ``failure``, never raised or logged by stevedore.
+    """
+
+    def __init__(self, entry: _Installed) -> None:
+        self._listed = [entry.entry_point]
+        self.failure: BaseException | None = None
+        super().__init__(
+            NAMESPACE,
+            [entry.entry_point.name],
+            on_load_failure_callback=self._failed,
+            on_missing_entrypoints_callback=None,
+        )
+
+    def list_entry_points(self) -> list[EntryPoint]:
+        return self._listed
+
+    def _failed(self, manager: ExtensionManager[Any], ep: EntryPoint, err: BaseException) -> None:
+        self.failure = err
+
+
 def _import_plugin(name: str, entry: _Installed) -> type[Transport]:
     """The class an entry point names, imported now; only ``name``'s plugin is imported."""
+    manager = None
     try:
-        cls = entry.entry_point.load()
-    except Exception as err:
+        manager = _PluginManager(entry)
+        failure = manager.failure
+    except AssertionError as err:  # stevedore lets these past its callback: still the plugin's
+        failure = err
+    if failure is not None or manager is None:
         raise TransportUnavailableError(
             f"transport {name!r} is installed ({entry.package}) but its plugin cannot be "
-            f"imported: {type(err).__name__}: {err}"
-        ) from err
+            f"imported: {type(failure).__name__}: {failure}"
+        ) from failure
+    cls = manager[name].plugin
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise TransportError(
             f"entry point {name!r} of {entry.package} does not name a kvbridge Transport: {cls!r}"

@@ -248,6 +248,83 @@ def test_names_are_listed_without_importing_plugins(broken_neighbour):
     assert "thirdparty_transport" not in sys.modules
 
 
+def test_a_transport_installed_since_the_last_lookup_is_seen(third_party):
+    from kvbridge.core.registry import transport_names
+
+    assert "late" not in transport_names()
+    kvbridge.load_transport("memmove").close()  # a lookup that loads, before the install
+    _distribution(third_party, "late-transport", "1.0", "[kvbridge.transports]\nlate = x:Y\n")
+    assert "late" in transport_names()
+    with pytest.raises(TransportUnavailableError, match=r"'late'.*late-transport 1\.0"):
+        kvbridge.load_transport("late")  # found, and its (missing) module tried
+
+
+# What stevedore's own entry-point cache would lose: run in a process of its own, with the cache
+# directory in a temporary one, so that neither stevedore's in-process memo nor its files touch
+# other tests (or the user's ~/.cache).
+STEVEDORE_CACHE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+
+    root = Path(sys.argv[1])
+    sys.path.insert(0, str(root))
+    from stevedore import ExtensionManager
+
+    from kvbridge.core.registry import NAMESPACE, transport_names
+
+    def install(name):
+        info = root / f"{name}_transport-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\\nName: {name}-transport\\nVersion: 1.0\\n")
+        (info / "entry_points.txt").write_text(f"[{NAMESPACE}]\\n{name} = {name}_mod:T\\n")
+
+    def stevedore_lists():
+        manager = ExtensionManager.make_test_instance([], namespace=NAMESPACE)
+        return manager.list_entry_points()  # its cache's answer; imports nothing
+
+    install("first")
+    before = stevedore_lists()
+    install("second")
+    ExtensionManager.ENTRY_POINT_CACHE.clear()  # the part of its cache it makes public
+    after = stevedore_lists()
+    print(json.dumps({
+        "before": sorted(ep.name for ep in before),
+        "after": sorted(ep.name for ep in after),
+        "dists": sorted({repr(ep.dist) for ep in after}),
+        "kvbridge": transport_names(),
+    }))
+    """
+)
+
+
+def test_stevedore_cache_would_hide_a_new_transport_and_its_distribution(tmp_path):
+    """Why the registry reads the metadata itself and hands stevedore's manager the entry points
+    (``list_entry_points``): stevedore's cache keeps what it read first for the process's life,
+    even with its public per-namespace cache emptied, and its entry points no longer say which
+    distribution declares them, which a conflict must name."""
+    import json
+    import os
+    import subprocess
+
+    root = tmp_path / "site"
+    root.mkdir()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", STEVEDORE_CACHE, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "first" in seen["before"]
+    assert "second" not in seen["after"]  # stevedore's cache: the new transport stays unseen
+    assert seen["dists"] == ["None"]  # and no entry point says its distribution
+    assert {"first", "second"} <= set(seen["kvbridge"])  # kvbridge's lookup sees both
+
+
 # -- register_transport / unregister_transport ---------------------------------------------------
 
 
