@@ -20,18 +20,15 @@ PATTERN_STYLE = {"contiguous": "-", "runs": "--", "random": ":"}
 
 
 def chart(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from kvbridge.bench.charts import panel_grid, save
 
     panels: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         if not row.get("refused"):
             panels[(row["shape"], row["layout"])].append(row)
     keys = sorted(panels)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
-    for ax, key in zip(axes[0], keys, strict=True):
+    fig, axes = panel_grid(len(keys))
+    for ax, key in zip(axes, keys, strict=True):
         for pattern, style in PATTERN_STYLE.items():
             cells = sorted(
                 (r for r in panels[key] if r["pattern"] == pattern), key=lambda r: r["tokens"]
@@ -57,10 +54,9 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
             )
         ax.set(xscale="log", yscale="log", title=f"{key[0]} {key[1]}", xlabel="prompt tokens")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("planning ms per request")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        ax.set_ylabel("planning ms per request")
+    axes[0].legend()
+    save(fig, path)
 
 
 def main() -> None:

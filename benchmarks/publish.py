@@ -51,13 +51,13 @@ def run_bench(output: Path) -> dict[str, Any]:
 
 def planning_chart(doc: dict[str, Any], path: Path) -> None:
     """Planning time against request size, one panel per block-id pattern, a line per shape."""
-    import matplotlib.pyplot as plt
+    from kvbridge.bench.charts import panel_grid, save
 
     rows = doc["planning"]["results"]
     patterns = doc["planning"]["settings"]["patterns"]
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    fig, axes = plt.subplots(1, len(patterns), figsize=(4.2 * len(patterns), 3.8), sharey=True)
-    for ax, pattern in zip(np.atleast_1d(axes), patterns, strict=True):
+    fig, axes = panel_grid(len(patterns), sharey=True)
+    for ax, pattern in zip(axes, patterns, strict=True):
         for case in cases:
             mine = sorted(
                 (r["prompt_tokens"], r["median_ms"])
@@ -75,18 +75,15 @@ def planning_chart(doc: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{pattern} block ids")
         ax.set_xlabel("prompt tokens")
         ax.grid(True, which="both", alpha=0.3)
-    first = np.atleast_1d(axes)[0]
-    first.set_ylabel("plan_transfers median (ms)")
-    first.legend(fontsize=8)
+        ax.set_ylabel("plan_transfers median (ms)")
+    axes[0].legend()
     fig.suptitle("kvbridge: time to plan one request")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def transfer_chart(doc: dict[str, Any], path: Path) -> None:
     """Throughput per transport and shape, each way of moving the request side by side."""
-    import matplotlib.pyplot as plt
+    from kvbridge.bench.charts import panel_grid, save
 
     rows = doc["transfer"]["results"]
     transports = list(dict.fromkeys(r["transport"] for r in rows))
@@ -97,11 +94,10 @@ def transfer_chart(doc: dict[str, Any], path: Path) -> None:
         "kvbridge": "kvbridge end to end",
         "transport": "kvbridge, no control plane",
     }
-    fig, axes = plt.subplots(
-        1, len(transports), figsize=(5.5 * len(transports), 3.8), sharey=True, squeeze=False
-    )
+    # One transport a row: each panel holds a bar per shape and way of moving the request.
+    fig, axes = panel_grid(len(transports), columns=1, panel=(8.0, 3.2), sharey=True)
     width = 0.8 / len(modes)
-    for ax, transport in zip(axes[0], transports, strict=True):
+    for ax, transport in zip(axes, transports, strict=True):
         mine = [r for r in rows if r["transport"] == transport]
         x = np.arange(len(mine))
         for i, mode in enumerate(modes):
@@ -121,15 +117,13 @@ def transfer_chart(doc: dict[str, Any], path: Path) -> None:
                 capsize=2,
                 label=labels[mode],
             )
-        ax.set_xticks(x, [r["case"] for r in mine], rotation=15, fontsize=8)
+        ax.set_xticks(x, [r["case"] for r in mine])
         ax.set_title(f"{transport} (two processes, 127.0.0.1)")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("GB/s (median, bars: interquartile range)")
-    axes[0][0].legend(fontsize=8)
+        ax.set_ylabel("GB/s (median; bars: IQR)")
+    axes[0].legend(ncols=2)
     fig.suptitle("Moving one request (~256 MiB): kvbridge beside the raw engine and memcpy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def header(title: str, doc: dict[str, Any]) -> list[str]:
@@ -161,6 +155,8 @@ def planning_page(doc: dict[str, Any]) -> str:
         *header("Planning", doc),
         "![planning time against request size](../bench-planning.png)",
         "",
+        "[full size](../bench-planning.png)",
+        "",
         growth_grid(doc["planning"]).markdown(),
         "",
         planning_grid(doc["planning"]).markdown(),
@@ -181,6 +177,8 @@ def transfer_page(doc: dict[str, Any]) -> str:
     parts = [
         *header("Transfer", doc),
         "![throughput per transport](../bench-transfer.png)",
+        "",
+        "[full size](../bench-transfer.png)",
         "",
         transfer_grid(doc["transfer"]).markdown(),
         "",
