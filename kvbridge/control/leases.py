@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvbridge.control import auth
 from kvbridge.control.context import PlaneContext
@@ -49,8 +49,8 @@ from kvbridge.control.requests import (
     checked_ids,
     forget_expired,
 )
-from kvbridge.control.streams import Part, PushKey, ReadyNotices, Stream, fence_all
-from kvbridge.control.transfers import RankPart, Transfers, pair_digest, plan_digest
+from kvbridge.control.streams import ComputedBlocks, PushKey, ReadyNotices, Stream, fence_all
+from kvbridge.control.transfers import RankShare, Transfers, pair_digest, plan_digest
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify, unreadable_here
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
@@ -64,7 +64,7 @@ ENDED_KEPT = 65536
 
 
 @dataclass
-class _Reader(RankPart):
+class _Reader(RankShare):
     """One decode TP rank's part of a published request: its claim (pull) or P's write (push).
 
     ``rank`` is the D rank; ``ended`` once released (pull), the push ended, or the rank reads
@@ -137,6 +137,29 @@ class _Lease:
         )
 
 
+class _AskedEarly(NamedTuple):
+    """A push (or layer-wise pull) a D rank asked for before P published the request."""
+
+    remote: RemoteEngine
+    request: _Early
+    until: float
+
+
+class _PushResult(NamedTuple):
+    """How a finished push ended, kept for D's ``PushQuery`` until ``until``."""
+
+    done: PushDone
+    until: float
+    token: str
+
+
+class _Ended(NamedTuple):
+    """A hold that ended: until when it is remembered, and why."""
+
+    until: float
+    reason: str
+
+
 class Leases:
     """P's published requests: leases, D's claims on them, and the pushes P runs for D.
 
@@ -154,18 +177,18 @@ class Leases:
         # Pushes (and layer-wise pulls) D ranks asked for before P published: (D, its request,
         # until when), by (request id, D rank, token): one with another token cannot crowd out
         # the bearer's.
-        self._pending_push: dict[PushKey, tuple[RemoteEngine, _Early, float]] = {}
+        self._pending_push: dict[PushKey, _AskedEarly] = {}
         # How finished pushes ended (D may ask again), by (request id, D rank), with the
         # request's token, and requests D withdrew before P saw them, by (request id, token)
         # (a late PushRequest or PullStart for them is refused); both until the time given.
-        self._push_results: dict[tuple[str, int], tuple[PushDone, float, str]] = {}
+        self._push_results: dict[tuple[str, int], _PushResult] = {}
         self._withdrawn: dict[tuple[str, str], float] = {}
         # Holds that ended (released, pushed, aborted, unclaimed or past the lease), by
         # (request id, token), oldest first: until when, and why. A D rank that comes late (its
         # request queued past the claim timeout, a retried or repeated request) is told so at
         # once instead of waiting for a publish or a push that never comes. At most
         # ``ENDED_KEPT``: the oldest go first (then a late claim waits its bound, as before).
-        self._ended: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
+        self._ended: OrderedDict[tuple[str, str], _Ended] = OrderedDict()
         # Layers written to D ranks before publish (``stream``), by the pending push's key;
         # kept until the push at publish takes them over, or fenced when it never comes.
         self._streams: dict[PushKey, Stream] = {}
@@ -215,18 +238,20 @@ class Leases:
             now = time.monotonic()
             lease = _Lease(params, now + ctx.deadlines.claim, published_at=now)
             self._leases[request_id] = lease
-            waiting = sorted(key for key in self._pending_push if key[0] == request_id)
+            waiting = sorted(key for key in self._pending_push if key.request_id == request_id)
             asked = [(key, self._pending_push.pop(key)) for key in waiting]
-            pushes = [push for key, push in asked if auth.token_matches(token, key[2])]
-            for key, (remote, _, _) in asked:
-                if not auth.token_matches(token, key[2]):
+            pushes = [push for key, push in asked if auth.token_matches(token, key.token)]
+            for key, push in asked:
+                if not auth.token_matches(token, key.token):
                     log.warning(
                         "request %s: refused a push asked by %r before publish: wrong "
                         "capability token",
                         request_id,
-                        remote.engine_id,
+                        push.remote.engine_id,
                     )
-            starts = [(self._join(lease, push[1], push[0].engine_id), push) for push in pushes]
+            starts = [
+                (self._join(lease, push.request, push.remote.engine_id), push) for push in pushes
+            ]
             notices = {key: self._notices.pop(key, None) for key, _ in asked}
         log.debug(
             "request %s: published (%s)",
@@ -235,7 +260,7 @@ class Leases:
         )
         for key, (remote, request, _) in asked:
             notice = notices[key]
-            if isinstance(request, StreamRequest) and auth.token_matches(token, key[2]):
+            if isinstance(request, StreamRequest) and auth.token_matches(token, key.token):
                 # D reads the rest now (after the layers told): P holds it for D's claim
                 self._last_word(key, remote, notice, _published(params))
             elif notice is not None:
@@ -249,7 +274,7 @@ class Leases:
         """Drop a lease without a transfer (the request was aborted on P)."""
         self._free(request_id, False, "withdrawn by prefill")
 
-    def stream(self, request_id: str, token: str, part: Part, layers: list[str]) -> int:
+    def stream(self, request_id: str, token: str, part: ComputedBlocks, layers: list[str]) -> int:
         """Write these computed layers of a request P has not published yet to every D rank
         that asked for a push of it with ``token``; returns the bytes submitted (0: no D rank
         asked yet, or its transport is not connected yet: the push at publish sends them).
@@ -263,7 +288,7 @@ class Leases:
             asked = [
                 (key, push)
                 for key, push in self._pending_push.items()
-                if key[0] == request_id and auth.token_matches(token, key[2])
+                if key.request_id == request_id and auth.token_matches(token, key.token)
             ]
         if not asked:
             return 0
@@ -290,13 +315,13 @@ class Leases:
         return submitted
 
     def _tell_ready(
-        self, key: PushKey, remote: RemoteEngine, part: Part, layers: list[str]
+        self, key: PushKey, remote: RemoteEngine, part: ComputedBlocks, layers: list[str]
     ) -> None:
         """A layer-wise pull: tell the D rank these layers are computed (``ReadyNotices``)."""
         with self._lock:
             notices = self._notices.setdefault(key, ReadyNotices(remote))
         if notices.add(self._ctx, part, layers):
-            self._ctx.peer_waits.submit(self._send_ready, key[0], notices)
+            self._ctx.peer_waits.submit(self._send_ready, key.request_id, notices)
 
     def _last_word(
         self,
@@ -309,7 +334,7 @@ class Leases:
         if notices is None:
             self._ctx.peer_waits.submit(self._deliver, remote.endpoint, last)
         elif notices.finish(last):
-            self._ctx.peer_waits.submit(self._send_ready, key[0], notices)
+            self._ctx.peer_waits.submit(self._send_ready, key.request_id, notices)
 
     def _send_ready(self, request_id: str, notices: ReadyNotices) -> None:
         """Send what ``notices`` holds, in order, until nothing is left. A layer notice that
@@ -349,18 +374,18 @@ class Leases:
                 )
                 for r in expired
             }
-            while self._ended and next(iter(self._ended.values()))[0] < now:
+            while self._ended and next(iter(self._ended.values())).until < now:
                 self._ended.popitem(last=False)  # kept alike: the oldest expire first
-            forget_expired(self._pending_push, now, lambda pushed: pushed[2])
+            forget_expired(self._pending_push, now, lambda asked: asked.until)
             orphans = [
                 key
                 for key in self._streams
-                if key not in self._pending_push and key[0] not in self._leases
+                if key not in self._pending_push and key.request_id not in self._leases
             ]
             for key in [k for k in self._notices if k not in self._pending_push]:
                 self._notices.pop(key).close()
             forget_expired(self._withdrawn, now, lambda until: until)
-            forget_expired(self._push_results, now, lambda result: result[1])
+            forget_expired(self._push_results, now, lambda result: result.until)
             # Freed under the lock that found them expired: a D rank's claim or push that comes
             # meanwhile either extended the lease before (then it is not expired) or finds it
             # ended (``hold_ended``), never a lease about to be freed under a starting push.
@@ -391,7 +416,7 @@ class Leases:
             asked = {
                 key: self._pending_push.pop(key)
                 for key in list(self._pending_push)
-                if key[0] == request_id and auth.token_matches(token, key[2])
+                if key.request_id == request_id and auth.token_matches(token, key.token)
             }
             notices = {key: self._notices.pop(key, None) for key in asked}
         for key, (remote, request, _) in asked.items():
@@ -426,7 +451,7 @@ class Leases:
             )
             with self._lock:
                 until = time.monotonic() + self._ctx.deadlines.remember
-                self._push_results[(rid, rank)] = (done, until, token)
+                self._push_results[(rid, rank)] = _PushResult(done, until, token)
                 self._streams.pop(key, None)
             log.debug("request %s: stream to decode rank %d ended: %s", rid, rank, reason)
             if tell is not None:  # D waits for this push: it fails now, not at its deadline
@@ -549,11 +574,11 @@ class Leases:
     def on_abort(self, body: Abort) -> None:
         rid, token = body.request_id, body.token
         with self._lock:
-            for key in [k for k in self._pending_push if k[0] == rid and k[2] == token]:
+            for key in [k for k in self._pending_push if _asked_with(k, rid, token)]:
                 del self._pending_push[key]
-            streamed = [k for k in self._streams if k[0] == rid and k[2] == token]
-            pushed = any(k[0] == rid for k in self._push_results)
-            told = [k for k in self._notices if k[0] == rid and k[2] == token]
+            streamed = [k for k in self._streams if _asked_with(k, rid, token)]
+            pushed = any(request_id == rid for request_id, _ in self._push_results)
+            told = [k for k in self._notices if _asked_with(k, rid, token)]
             notices = [self._notices.pop(k) for k in told]
         for notice in notices:
             notice.close()
@@ -580,14 +605,14 @@ class Leases:
         with self._lock:
             result = self._push_results.get((rid, body.reader))
             if result is not None:
-                if not auth.token_matches(result[2], body.token):
+                if not auth.token_matches(result.token, body.token):
                     raise _wrong_token(rid)
-                return result[0]
+                return result.done
             lease = self._leases.get(rid)
             if lease is not None:
                 _require_token(lease, body)
             reader = lease.readers.get(body.reader) if lease is not None else None
-            key = (rid, body.reader, body.token)
+            key = PushKey(rid, body.reader, body.token)
             pending = key in self._pending_push or key in self._streams
             if pending or (reader is not None and reader.pushing):
                 return Ok()  # may still write
@@ -635,11 +660,11 @@ class Leases:
             )
             remote.connect_soon()  # P writes to this rank: connect meanwhile, off the push
         if lease is None:
-            key = (rid, body.reader, body.token)
+            key = PushKey(rid, body.reader, body.token)
             if key in self._pending_push:
                 raise MessageError("duplicate", f"{what} of {rid!r} sent twice")
             until = time.monotonic() + self._ctx.deadlines.remember
-            self._pending_push[key] = (remote, body, until)
+            self._pending_push[key] = _AskedEarly(remote, body, until)
             log.debug("request %s: %s before publish", rid, what)
         return remote, lease
 
@@ -651,11 +676,11 @@ class Leases:
         ended = self._ended.get((request_id, token))
         if ended is not None:
             hint = ""
-            if ended[1].startswith("no decode claimed"):
+            if ended.reason.startswith("no decode claimed"):
                 hint = " (if decode queues requests that long, raise claim_timeout on prefill)"
             raise MessageError(
                 "hold_ended",
-                f"prefill no longer holds request {request_id!r}: {ended[1]}; decode computes "
+                f"prefill no longer holds request {request_id!r}: {ended.reason}; decode computes "
                 f"it{hint}",
             )
 
@@ -681,7 +706,7 @@ class Leases:
         rid, block_ids = reader.params.request_id, request.block_ids
         stats = RequestStats(queued_s=time.monotonic() - started)
         with self._lock:  # the layers written before publish, if P streamed them
-            stream = self._streams.pop((rid, reader.rank, reader.params.token), None)
+            stream = self._streams.pop(PushKey(rid, reader.rank, reader.params.token), None)
         streamed = stream.take() if stream is not None else []
         try:
             if stream is not None and stream.failed:
@@ -728,7 +753,7 @@ class Leases:
             done = PushDone(rid, False, f"prefill could not push: {err}", unproven)
         with self._lock:
             until = time.monotonic() + ctx.deadlines.remember
-            self._push_results[(rid, reader.rank)] = (done, until, reader.params.token)
+            self._push_results[(rid, reader.rank)] = _PushResult(done, until, reader.params.token)
             # Fenced: the engine reads P's blocks for this part no more.
             reader.pushing, reader.handle = False, None
             reader.end(ok, reason)
@@ -794,7 +819,7 @@ class Leases:
             if lease is None:
                 return False
             self._ctx.record(RequestOutcome(request_id, ok, reason, stats or RequestStats()))
-            self._ended[(request_id, lease.params.token)] = (
+            self._ended[(request_id, lease.params.token)] = _Ended(
                 time.monotonic() + self._ctx.deadlines.remember,
                 reason or "its transfer ended",
             )
@@ -806,6 +831,12 @@ class Leases:
 
 #: What D asks before P published a request: a push, or a layer-wise pull.
 _Early = PushRequest | StreamRequest
+
+
+def _asked_with(key: PushKey, request_id: str, token: str) -> bool:
+    """Whether a D rank (any) asked this push of ``request_id`` with ``token`` (compared
+    exactly: an abort names the token its own request carries)."""
+    return key.request_id == request_id and key.token == token
 
 
 def _published(params: TransferParams) -> LayersReady:

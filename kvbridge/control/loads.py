@@ -44,8 +44,8 @@ from kvbridge.control.requests import (
     forget_expired,
     timed,
 )
-from kvbridge.control.streams import Part, Stream
-from kvbridge.control.transfers import RankPart, Transfers, pair_digest, plan_digest
+from kvbridge.control.streams import ComputedBlocks, Stream
+from kvbridge.control.transfers import RankShare, Transfers, pair_digest, plan_digest
 from kvbridge.core.block_mapping import CheckedBlockIds
 from kvbridge.core.errors import (
     ControlError,
@@ -70,7 +70,7 @@ _A = TypeVar("_A")
 
 
 @dataclass
-class _Part(RankPart):
+class _RankLoad(RankShare):
     """D's load of a request from one P rank (one of ``contact_ranks``).
 
     ``rank`` is the P rank; ``handle``: D's own read in flight (pull), released when the
@@ -107,7 +107,7 @@ class _Claim:
     """A pull's ``PullStart`` to one P rank: sent (``call``), refused before it went
     (``error``), or neither (to be sent when its endpoint is free)."""
 
-    part: _Part
+    part: _RankLoad
     started: float
     call: PendingReply | None = None
     error: Exception | None = None
@@ -120,7 +120,7 @@ class _Pending:
     params: TransferParams
     block_ids: CheckedBlockIds
     deadline: float
-    parts: dict[int, _Part] = field(default_factory=dict)
+    parts: dict[int, _RankLoad] = field(default_factory=dict)
     stats: RequestStats = field(default_factory=RequestStats)
     started: float = field(default_factory=time.monotonic)
     aborted: bool = False
@@ -141,7 +141,7 @@ class Loads:
     """D's requests being loaded, from ``pull``/``push`` until their outcome.
 
     A D rank loads from the P ranks of ``contact_ranks`` (one when P's TP size is at most D's);
-    each is a ``_Part``. The load succeeds when every part did; a failed part ends the load only
+    each is a ``_RankLoad``. The load succeeds when every part did; a failed part ends the load only
     once every other part is fenced too (no byte of it can land any more).
     """
 
@@ -286,7 +286,7 @@ class Loads:
                 raise KvbridgeError(f"request {params.request_id!r} was aborted")
             deadline = time.monotonic() + ctx.deadlines.load
             pending = _Pending(params, ids, deadline)
-            pending.parts = {p: _Part(pending, params.rank(p), rank=p) for p in contacts}
+            pending.parts = {p: _RankLoad(pending, params.rank(p), rank=p) for p in contacts}
             self._pending[params.request_id] = pending
         return pending
 
@@ -405,7 +405,7 @@ class Loads:
         release = Release(rid, True, "", **self._me, token=params.token)
         self._tell_all([(part.address, release) for part in pending.parts.values()])
 
-    def _send_claims(self, parts: list[_Part]) -> list[_Claim]:
+    def _send_claims(self, parts: list[_RankLoad]) -> list[_Claim]:
         """Send each P rank its ``PullStart`` now (``Handshakes.send_first``: a rank that shares
         another's endpoint sends its own when the first was answered)."""
         started = time.monotonic()
@@ -441,11 +441,11 @@ class Loads:
         if error is not None and not failed:
             raise error
 
-    def _pull_start(self, part: _Part) -> PullStart:
+    def _pull_start(self, part: _RankLoad) -> PullStart:
         params = part.params
         return PullStart(params.request_id, params.block_ids, **self._me, token=params.token)
 
-    def _claim(self, part: _Part, sent: PendingReply | None, until: float) -> None:
+    def _claim(self, part: _RankLoad, sent: PendingReply | None, until: float) -> None:
         """Tell P which blocks D reads (``sent``: told already, its answer to come); until
         ``until`` (``time.monotonic()``) wait for P to publish a request it has not yet.
 
@@ -469,7 +469,7 @@ class Loads:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    def _check_pull(self, part: _Part, plan: TransferPlan) -> None:
+    def _check_pull(self, part: _RankLoad, plan: TransferPlan) -> None:
         """Compare P's digest of what it holds with D's of what it read (P still holds it)."""
         ctx, pending = self._ctx, part.pending
         start = time.monotonic()
@@ -514,7 +514,7 @@ class Loads:
         wait([self._ctx.asks.submit(self._ask_stream, part) for part in pending.parts.values()])
         # P's word comes as LayersReady; the load's deadline bounds the wait for it.
 
-    def _ask_stream(self, part: _Part) -> None:
+    def _ask_stream(self, part: _RankLoad) -> None:
         ctx, params = self._ctx, part.params
         ask = StreamRequest(params.request_id, **self._me, token=params.token)
         try:
@@ -535,7 +535,7 @@ class Loads:
         if part is not None:
             self._on_ready(part, body)
 
-    def _on_ready(self, part: _Part, body: LayersReady) -> None:
+    def _on_ready(self, part: _RankLoad, body: LayersReady) -> None:
         pending = part.pending
         if body.ok and not body.published:
             # Computed layers: submit their reads before answering, so that P's last word,
@@ -553,7 +553,7 @@ class Loads:
         elif everyone:
             self._settle_stream_pull(pending, "")
 
-    def _read_layers(self, part: _Part, body: LayersReady) -> None:
+    def _read_layers(self, part: _RankLoad, body: LayersReady) -> None:
         stream = part.stream
         if stream is None:
             return
@@ -561,7 +561,7 @@ class Loads:
             if stream.closed or stream.failed or part.aborted:
                 return
             try:
-                told = Part(body.source_block_ids, body.first_blocks, body.total_blocks)
+                told = ComputedBlocks(body.source_block_ids, body.first_blocks, body.total_blocks)
                 stream.send(self._ctx, told, part.pending.block_ids, body.layers)
             except Exception as err:  # the end fails, fenced with the rest
                 stream.failed = f"a layer-wise read could not start: {err}"
@@ -646,7 +646,7 @@ class Loads:
         )
         # The outcome arrives as PushDone from each rank, or is settled with P past the deadline.
 
-    def _ask_push(self, part: _Part) -> None:
+    def _ask_push(self, part: _RankLoad) -> None:
         ctx, rid = self._ctx, part.params.request_id
         ids = part.pending.block_ids
         ask = PushRequest(
@@ -668,7 +668,7 @@ class Loads:
         if part is not None:
             self._reported(part, body)
 
-    def _part_of(self, request_id: str, sender: str) -> _Part | None:
+    def _part_of(self, request_id: str, sender: str) -> _RankLoad | None:
         """The part of a load that P rank ``sender`` speaks for; None if the load ended (a late
         or repeated word); ``not_yours`` if the sender has no part in it."""
         with self._lock:
@@ -685,7 +685,7 @@ class Loads:
                 )
         return part
 
-    def _reported(self, part: _Part, body: PushDone) -> None:
+    def _reported(self, part: _RankLoad, body: PushDone) -> None:
         """A P rank's word on its push (its ``PushDone``, or its answer to ``PushQuery``)."""
         ctx, pending = self._ctx, part.pending
         with self._lock:
@@ -704,7 +704,7 @@ class Loads:
         else:
             self._end_part(part, body.ok, body.reason)
 
-    def _check_push(self, part: _Part, body: PushDone) -> None:
+    def _check_push(self, part: _RankLoad, body: PushDone) -> None:
         """Compare P's digest of what it wrote with D's of what it holds now."""
         ctx, pending = self._ctx, part.pending
         start = time.monotonic()
@@ -734,7 +734,7 @@ class Loads:
             return
         self._end_part(part, True, "")
 
-    def _end_part(self, part: _Part, ok: bool, reason: str) -> None:
+    def _end_part(self, part: _RankLoad, ok: bool, reason: str) -> None:
         """A part ended (no byte of it can still land). The load ends with its last part; a
         failed part has the others given up (aborted and settled with their P ranks) first."""
         pending = part.pending
@@ -763,7 +763,7 @@ class Loads:
         for part in parts:
             self._ctx.peer_waits.submit(self._settle_push, part, reason)
 
-    def _settle_push(self, part: _Part, reason: str) -> None:
+    def _settle_push(self, part: _RankLoad, reason: str) -> None:
         """D gave up waiting for a push (deadline or abort): end it only once P's write is fenced.
 
         Aborts the push, then asks P how it ended until P answers: ``PushDone`` (P fenced its
@@ -803,7 +803,7 @@ class Loads:
 
     # -- both -------------------------------------------------------------------------------------
     def _ask_prefill(
-        self, part: _Part, ask: Callable[[PeerClient], _A | None], waiting: str
+        self, part: _RankLoad, ask: Callable[[PeerClient], _A | None], waiting: str
     ) -> _A | PeerRefusedError | None:
         """Call ``ask`` with the P rank's client until it has P's answer (not None); return it.
 

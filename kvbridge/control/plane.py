@@ -62,7 +62,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.probes import Probes
 from kvbridge.control.requests import Mode, RequestOutcome, RequestStats, TransferParams
-from kvbridge.control.streams import Part
+from kvbridge.control.streams import ComputedBlocks
 from kvbridge.control.transfers import Transfers
 from kvbridge.core.errors import MessageError, OutcomeTimeoutError
 from kvbridge.core.integrity import Verify, unreadable_here
@@ -261,10 +261,10 @@ class ControlPlane:
         ``block_ids``: P's ids of the groups whose layers stream (not a recurrent state, sent
         at publish once final). A chunked prefill streams each chunk's completed blocks: the
         ids then start at position ``first`` of each group's blocks, of the ``total`` P holds
-        once the prefill ends (``streams.Part``); pass the same ``block_ids`` object for every
-        layer of a step. See ``kvbridge.control.streams``.
+        once the prefill ends (``streams.ComputedBlocks``); pass the same ``block_ids`` object for
+        every layer of a step. See ``kvbridge.control.streams``.
         """
-        part = Part(block_ids, first or {}, total or {})
+        part = ComputedBlocks(block_ids, first or {}, total or {})
         return self._prefill.stream(request_id, token, part, list(layers))
 
     def withdraw(self, request_id: str, token: str, reason: str) -> None:

@@ -26,7 +26,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,12 +43,17 @@ from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
 log = logging.getLogger("kvbridge.control")
 
-#: A D rank's push of a request, as P keeps it: (request id, D rank, capability token).
-PushKey = tuple[str, int, str]
+
+class PushKey(NamedTuple):
+    """A D rank's push of a request, as P keeps it."""
+
+    request_id: str
+    reader: int  #: the D rank
+    token: str  #: the request's capability token
 
 
 @dataclass(frozen=True)
-class Part:
+class ComputedBlocks:
     """Which of a request's blocks one prefill step computed, as the stream is told them.
 
     ``block_ids``: P's ids per streamed group, from position ``first`` of the group's block list
@@ -70,8 +75,8 @@ class Stream:
     to one D rank (``op`` WRITE, layer-wise push), or one D rank's reads from one P rank (READ,
     layer-wise pull). ``remote`` is the other side.
 
-    Each part (``Part``: a prefill step's blocks) is planned once and cut by layer; a layer
-    counts as streamed (``rest`` skips it) once parts covering every block of its group, in
+    Each part (``ComputedBlocks``: a prefill step's blocks) is planned once and cut by layer; a
+    layer counts as streamed (``rest`` skips it) once parts covering every block of its group, in
     order, were submitted for it.
     """
 
@@ -112,7 +117,7 @@ class Stream:
             return list(self.handles)
 
     def send(
-        self, ctx: PlaneContext, part: Part, dst_ids: Mapping[int, Any], layers: list[str]
+        self, ctx: PlaneContext, part: ComputedBlocks, dst_ids: Mapping[int, Any], layers: list[str]
     ) -> int:
         """Submit these layers' descriptors of ``part`` (those not sent yet); returns the bytes
         submitted.
@@ -126,7 +131,9 @@ class Stream:
             self._plan_part(ctx, part, dst_ids)
         return self._submit(ctx, layers)
 
-    def _plan_part(self, ctx: PlaneContext, part: Part, dst_ids: Mapping[int, Any]) -> None:
+    def _plan_part(
+        self, ctx: PlaneContext, part: ComputedBlocks, dst_ids: Mapping[int, Any]
+    ) -> None:
         writing = self.op is TransferOp.WRITE
         src_layout, dst_layout = (
             (ctx.layout, self.remote.layout) if writing else (self.remote.layout, ctx.layout)
@@ -274,7 +281,7 @@ class ReadyNotices:
     _part: dict[str, Any] = field(default_factory=dict, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, ctx: PlaneContext, part: Part, layers: list[str]) -> bool:
+    def add(self, ctx: PlaneContext, part: ComputedBlocks, layers: list[str]) -> bool:
         """Note these computed layers of ``part``; True when the caller must start a sender.
         Raises ``MessageError`` when the ids do not fit P's layout."""
         with self.lock:

@@ -26,10 +26,10 @@ log = logging.getLogger("kvbridge.control")
 
 
 @dataclass(kw_only=True)
-class RankPart:
+class RankShare:
     """One pair of TP ranks' share of a request, as this side holds it: on P, a D rank's part
     of P's lease (``leases._Reader``: its claim, or P's write to it); on D, a P rank's part of
-    D's load (``loads._Part``: D's read from it, or its write). What each side keeps beyond
+    D's load (``loads._RankLoad``: D's read from it, or its write). What each side keeps beyond
     this is its own; the transfer steps here take either.
 
     ``rank`` is the other side's TP rank. The part is over once ``ended`` (``end``): nothing of
@@ -115,7 +115,7 @@ class Transfers:
     def move(
         self,
         op: TransferOp,
-        parts: Sequence[tuple[str, TransferPlan, RankPart]],
+        parts: Sequence[tuple[str, TransferPlan, RankShare]],
         stats: RequestStats,
     ) -> None:
         """Submit each part's plan to its peer, then wait for them all; each ``part.handle``

@@ -101,7 +101,7 @@ class LayerwiseStep:
 
     ``block_ids``: the blocks this step completed per group (its last step: every one left),
     from position ``first`` of the group's blocks on, of the ``total`` it has once the prefill
-    ends (absent: from 0, all of them; ``kvbridge.control.streams.Part``)."""
+    ends (absent: from 0, all of them; ``kvbridge.control.streams.ComputedBlocks``)."""
 
     transfer_id: str
     token: str = field(repr=False)  # a credential: never logged
