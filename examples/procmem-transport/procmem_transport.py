@@ -18,18 +18,20 @@ from typing import Any
 
 import msgspec
 
-from kvbridge.core.errors import PeerError, TransportError
-from kvbridge.core.memory import MemoryRange
-from kvbridge.core.transport import (
+from kvbridge.plugin import (
     CHUNK_OK,
     Chunk,
     ChunkResult,
     MemoryAccess,
+    MemoryRange,
+    PeerError,
+    PeerRanges,
+    PublishedRanges,
     TransferOp,
     Transport,
+    TransportError,
     TransportLimits,
 )
-from kvbridge.transports.host_access import PeerRanges, PublishedRanges
 
 
 class ProcMemMetadata(msgspec.Struct, frozen=True):

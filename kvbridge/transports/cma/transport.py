@@ -40,8 +40,7 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from kvbridge.core.errors import PeerError, TransferError, TransportError
-from kvbridge.core.transport import (
+from kvbridge.plugin import (
     CHUNK_OK,
     AddrArray,
     Chunk,
@@ -49,11 +48,15 @@ from kvbridge.core.transport import (
     MemoryAccess,
     MemoryKind,
     MemoryRange,
+    PeerError,
+    PeerRanges,
+    PublishedRanges,
+    TransferError,
     TransferOp,
     Transport,
+    TransportError,
     TransportLimits,
 )
-from kvbridge.transports.host_access import PeerRanges, PublishedRanges
 
 IOV_MAX = 1024
 #: Chunks of at least this many bytes are copied in two halves at once (``_copy_chunk``).
