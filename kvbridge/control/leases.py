@@ -160,6 +160,15 @@ class _Ended(NamedTuple):
     reason: str
 
 
+class _EarlyWords(NamedTuple):
+    """What D ranks asked of a request before P published it, taken at publish: every ask
+    (``asked``), those joined to the lease (``starts``), and the layer notices kept for each."""
+
+    asked: list[tuple[PushKey, _AskedEarly]]
+    starts: list[tuple[_Reader, _AskedEarly]]
+    notices: dict[PushKey, ReadyNotices | None]
+
+
 class Leases:
     """P's published requests: leases, D's claims on them, and the pushes P runs for D.
 
@@ -238,37 +247,47 @@ class Leases:
             now = time.monotonic()
             lease = _Lease(params, now + ctx.deadlines.claim, published_at=now)
             self._leases[request_id] = lease
-            waiting = sorted(key for key in self._pending_push if key.request_id == request_id)
-            asked = [(key, self._pending_push.pop(key)) for key in waiting]
-            pushes = [push for key, push in asked if auth.token_matches(token, key.token)]
-            for key, push in asked:
-                if not auth.token_matches(token, key.token):
-                    log.warning(
-                        "request %s: refused a push asked by %r before publish: wrong "
-                        "capability token",
-                        request_id,
-                        push.remote.engine_id,
-                    )
-            starts = [
-                (self._join(lease, push.request, push.remote.engine_id), push) for push in pushes
-            ]
-            notices = {key: self._notices.pop(key, None) for key, _ in asked}
+            early = self._take_early(lease)
         log.debug(
             "request %s: published (%s)",
             request_id,
-            f"{len(pushes)} early reader(s) waiting" if pushes else mode,
+            f"{len(early.starts)} early reader(s) waiting" if early.starts else mode,
         )
-        for key, (remote, request, _) in asked:
-            notice = notices[key]
-            if isinstance(request, StreamRequest) and auth.token_matches(token, key.token):
+        self._answer_early(params, early)
+        return params
+
+    def _take_early(self, lease: _Lease) -> _EarlyWords:
+        """What D ranks asked of a request before P published it (lock held, ``lease`` new):
+        each taken from the waiting ones; the pushes of the right token joined to the lease."""
+        request_id, token = lease.params.request_id, lease.params.token
+        waiting = sorted(key for key in self._pending_push if key.request_id == request_id)
+        asked = [(key, self._pending_push.pop(key)) for key in waiting]
+        starts = []
+        for key, push in asked:
+            if auth.token_matches(token, key.token):
+                starts.append((self._join(lease, push.request, push.remote.engine_id), push))
+            else:
+                log.warning(
+                    "request %s: refused a push asked by %r before publish: wrong capability token",
+                    request_id,
+                    push.remote.engine_id,
+                )
+        notices = {key: self._notices.pop(key, None) for key, _ in asked}
+        return _EarlyWords(asked, starts, notices)
+
+    def _answer_early(self, params: TransferParams, early: _EarlyWords) -> None:
+        """Answer, now that P published, the D ranks that asked before: a layer-wise pull
+        hears it may read the rest; a push starts."""
+        for key, (remote, request, _) in early.asked:
+            notice = early.notices[key]
+            if isinstance(request, StreamRequest) and auth.token_matches(params.token, key.token):
                 # D reads the rest now (after the layers told): P holds it for D's claim
                 self._last_word(key, remote, notice, _published(params))
             elif notice is not None:
                 notice.close()
-        for reader, (remote, request, _) in starts:
+        for reader, (remote, request, _) in early.starts:
             if isinstance(request, PushRequest):
                 self._start_push(reader, remote, request, early=True)
-        return params
 
     def unpublish(self, request_id: str) -> None:
         """Drop a lease without a transfer (the request was aborted on P)."""
