@@ -132,7 +132,7 @@ def test_transports_prints_a_missing_engines_install_hint_as_written():
 def test_transports_prints_plugin_text_that_looks_like_markup(monkeypatch, capsys):
     texts = ("odd[bold]", "pkg[x] 1.0", "needs [/] and [red]this[/red]; pip install 'p[e]'")
     info = TransportInfo(texts[0], texts[1], False, texts[2])
-    monkeypatch.setattr(cli, "available_transports", lambda: [info])
+    monkeypatch.setattr(cli.transports, "available_transports", lambda: [info])
     monkeypatch.setenv("COLUMNS", "400")
     assert main(["transports"]) == 0  # `[/]` alone made rich raise MarkupError
     out = capsys.readouterr().out
@@ -213,7 +213,7 @@ def test_the_installed_metadata_declares_the_extras_and_the_proxy_command():
     (script,) = metadata.entry_points(group="console_scripts", name="kvbridge-proxy")
     assert script.value == "kvbridge.adapters.vllm.proxy:main"
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
-    assert (Path(cli.__file__).parent / "py.typed").is_file()
+    assert (Path(cli.__file__).parent.parent / "py.typed").is_file()  # the kvbridge package
 
 
 def test_kvbridge_proxy_command_runs():
@@ -231,7 +231,7 @@ def test_kvbridge_proxy_command_runs():
 
 def _usable_in_preference(*without: str) -> list[str]:
     usable = {t.name for t in available_transports() if t.usable} - set(without)
-    ranked = [n for n in cli.TRANSPORT_PREFERENCE if n in usable]
+    ranked = [n for n in cli.demo.TRANSPORT_PREFERENCE if n in usable]
     return ranked + sorted(usable - set(ranked))
 
 
@@ -241,14 +241,14 @@ def test_demo_defaults_hold_the_default_request_of_every_shape(name):
 
     args = cli.build_parser().parse_args(["demo", "--shape", name])
     held = CACHE_COPIES * cache_bytes(name, pool_blocks(name, 8192))
-    available = cli._available_memory()
+    available = cli.demo._available_memory()
     if available is not None and held > available:
         with pytest.raises(cli.CliError, match="of memory is available; lower --layers"):
-            cli._check_demo_request(args)
+            cli.demo._check_demo_request(args)
         return
     # 32 blocks were the default: "--prompt-tokens 8192 needs more blocks than --num-blocks 32
     # holds" for every shape but the hybrid
-    cli._check_demo_request(args)
+    cli.demo._check_demo_request(args)
     assert args.num_blocks == pool_blocks(name, 8192)
     assert held < 9 * 2**30  # the largest, llama3-70b-dense: 3 copies of a 2.8 GiB cache
 

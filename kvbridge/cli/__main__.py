@@ -1,0 +1,7 @@
+"""``python -m kvbridge.cli``."""
+
+import sys
+
+from kvbridge.cli import main
+
+sys.exit(main())
