@@ -58,6 +58,12 @@ Handler = Callable[[str, Message], "Message | Future[Message]"]
 
 #: Socket events that tell whether the peer's address accepts connections.
 _WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+#: Connects retried since a message was sent (each a connect refused, or a connection the
+#: other end closed at once, as an HTTP server does with the greeting) that mean no side
+#: channel listens there. One is not enough: zmq reports an attempt from its I/O thread, so the
+#: refusal of an attempt made before the send (a restarting peer not yet bound) can arrive
+#: after it; zmq makes one attempt at a time, so a second is of an attempt made after the send.
+_REFUSALS = 2
 
 
 @dataclass
@@ -301,6 +307,7 @@ class PeerClient:
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller = zmq.Poller()  # the socket and its monitor, while connected
         self._up = False  # a TCP connection to the peer is established
+        self._retried = 0  # connects retried since the last send (``_refused``)
         self._authenticated = False
 
     def close(self) -> None:
@@ -355,19 +362,18 @@ class PeerClient:
         return self._socket
 
     def _refused(self) -> bool:
-        """Read the socket's pending events: was a connect refused since the last one that
-        succeeded?"""
+        """Read the socket's pending events: were connects retried ``_REFUSALS`` times since
+        the last send, each while no connection was up?"""
         assert self._monitor is not None
-        refused = False
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
-                self._up, refused = True, False
+                self._up = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self._up = False
             elif event == zmq.EVENT_CONNECT_RETRIED and not self._up:
-                refused = True
-        return refused
+                self._retried += 1
+        return self._retried >= _REFUSALS
 
     def request(self, body: Message, timeout: float | None = None) -> Message:
         """Send ``body``; return the reply, raise ``ControlError`` if refused, or time out."""
@@ -458,8 +464,9 @@ class PeerClient:
         sock = self._connect()
         if not fresh:
             # Events from an earlier call (retries while a restarting peer was down) say
-            # nothing about this one: only a refusal after the send means nothing listens now.
+            # nothing about this one: only refusals after the send mean nothing listens now.
             self._refused()
+        self._retried = 0
         self._seq += 1
         sock.send(encode(self._seq, body))
         return self._seq
