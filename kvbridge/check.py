@@ -42,6 +42,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.plane import default_engine_id
 from kvbridge.control.probes import kvbridge_version
+from kvbridge.core.batches import TransferOp
 from kvbridge.core.compat import check_compatible
 from kvbridge.core.errors import (
     ControlError,
@@ -55,7 +56,7 @@ from kvbridge.core.layout import Layout
 from kvbridge.core.memory import MemoryRange
 from kvbridge.core.registry import load_transport, load_transport_class
 from kvbridge.core.tp import contact_ranks, plan_tp_pair
-from kvbridge.core.transport import TransferOp, Transport
+from kvbridge.core.transport import Transport
 
 ENV_SECRET = "KVBRIDGE_SECRET"
 ENV_SECRET_FILE = "KVBRIDGE_SECRET_FILE"

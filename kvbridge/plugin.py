@@ -1,10 +1,13 @@
 """What a transport plugin imports: the one public surface for writing a kvbridge transport.
 
 A transport is a ``Transport`` subclass in its own package plus one entry point in the group
-``kvbridge.transports``; it implements its engine's calls as hooks (``kvbridge.core.engine_hooks``
-documents each, ``docs/transports.md`` lists them) and the base class keeps the contract: handles
-and deadlines, chunking, retries, registration bookkeeping, peers, the metadata envelope. Import
-what a plugin needs from here, not from the modules behind it, which may move::
+``kvbridge.transports``; it implements its engine's calls as the ``engine_*`` hooks (declared once,
+with their duties, in ``kvbridge.core.engine_hooks``; the required ones are checked when the
+class is defined) and the base class keeps the contract: handles and deadlines, chunking, retries,
+registration bookkeeping, peers, the metadata envelope. From the base class a plugin calls
+``open(limits)`` once its engine runs and ``load_engine()`` before, and reads ``registered``,
+``closed``, ``peer_count``. Import what a plugin needs from here, not from the modules behind it,
+which may move::
 
     from kvbridge.plugin import CHUNK_OK, Chunk, ChunkResult, TransferOp, Transport, TransportLimits
 

@@ -29,10 +29,10 @@ from kvbridge.control.messages import (
     ProbeScratch,
 )
 from kvbridge.control.probes import SCRATCH_BYTES
+from kvbridge.core.batches import TransferOp
 from kvbridge.core.errors import ControlError, MessageError
 from kvbridge.core.layout import Layout
 from kvbridge.core.memory import MemoryRange
-from kvbridge.core.transport import TransferOp
 from tests.control.engine import EngineProcess
 from tests.ports import free_port
 

@@ -73,32 +73,32 @@ class ProcMemTransport(Transport):
 
     def __init__(self, *, timeout: float = 30.0, retries: int = 0) -> None:
         super().__init__(timeout=timeout, retries=retries)
-        self._load_engine()
+        self.load_engine()
         self._published = PublishedRanges("kvbridge-procmem", self.timeout)
-        self._open(TransportLimits(max_batch=1024, max_in_flight=4096))
+        self.open(TransportLimits(max_batch=1024, max_in_flight=4096))
 
     @classmethod
-    def _import_engine(cls) -> Any:
+    def engine_import(cls) -> Any:
         if not Path("/proc/self/mem").exists():
             raise ImportError("this system has no /proc/<pid>/mem (procmem needs Linux)")
         return None
 
     # The kernel copies anywhere it is allowed to: what peers may touch is what is published.
-    def _register_group(self, device: Any, ranges: list[MemoryRange]) -> None:
-        self._published.publish(self._ranges)
+    def engine_register(self, device: Any, ranges: list[MemoryRange]) -> None:
+        self._published.publish(self.registered)
 
-    def _deregister_group(self, device: Any, ranges: list[MemoryRange]) -> None:
-        self._published.publish(self._ranges)  # returns once no peer copies into them
+    def engine_deregister(self, device: Any, ranges: list[MemoryRange]) -> None:
+        self._published.publish(self.registered)  # returns once no peer copies into them
 
-    def _close_engine(self) -> None:
+    def engine_close(self) -> None:
         self._published.close()
 
-    def _engine_metadata(self) -> bytes:
+    def engine_metadata(self) -> bytes:
         pid = os.getpid()
         table = str(self._published.path)
         return msgspec.msgpack.encode(ProcMemMetadata(pid, _started(pid), _boot_id(), table))
 
-    def _connect_engine(self, peer: str, payload: bytes, old: Any) -> _Peer:
+    def engine_connect(self, peer: str, payload: bytes, old: Any) -> _Peer:
         meta = self.decode_payload(peer, payload, ProcMemMetadata)
         if meta.boot_id != _boot_id():
             raise PeerError(
@@ -107,16 +107,16 @@ class ProcMemTransport(Transport):
             )
         return old if old is not None and old.meta == meta else _Peer(meta, self.timeout)
 
-    def _describe_peer(self, state: Any) -> str:
+    def engine_describe_peer(self, state: Any) -> str:
         return f"pid {state.meta.pid}"
 
-    def _check_remote(self, state: Any, remote: Any, lengths: Any, peer: str) -> None:
+    def engine_check_remote(self, state: Any, remote: Any, lengths: Any, peer: str) -> None:
         state.ranges.check(remote, lengths, f"remote (peer {peer!r})")  # early answer at submit
 
-    def _start_chunk(self, state: Any, chunk: Chunk) -> Any:
-        return state  # the copy runs in _wait_chunk, on the peer's lane thread
+    def engine_start_chunk(self, state: Any, chunk: Chunk) -> Any:
+        return state  # the copy runs in engine_wait_chunk, on the peer's lane thread
 
-    def _wait_chunk(self, chunk: Chunk) -> ChunkResult:
+    def engine_wait_chunk(self, chunk: Chunk) -> ChunkResult:
         peer = chunk.token
         try:
             if _started(peer.meta.pid) != peer.meta.started:

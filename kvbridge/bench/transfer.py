@@ -37,13 +37,14 @@ import numpy as np
 from kvbridge.bench.cases import CASES, BenchCase, load_source_module, request_ids
 from kvbridge.bench.processes import WorkerProcess
 from kvbridge.control.plane import ControlPlane, TransferParams
+from kvbridge.core.batches import TransferOp
 from kvbridge.core.boundary import remote_prefill_token_count
 from kvbridge.core.integrity import Verify
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import plan_transfers
 from kvbridge.core.registry import load_transport
 from kvbridge.core.tp import plan_tp_pair
-from kvbridge.core.transport import TransferOp, Transport
+from kvbridge.core.transport import Transport
 from kvbridge.demo import Arena
 from kvbridge.workloads.shapes import bump_allocator
 

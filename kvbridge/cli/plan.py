@@ -14,12 +14,12 @@ from rich.table import Table
 
 from kvbridge.cli.arguments import read_json, read_layout
 from kvbridge.cli_errors import CliError
+from kvbridge.core.batches import TransferOp
 from kvbridge.core.boundary import blocks_for_tokens, remote_prefill_token_count
 from kvbridge.core.errors import KvbridgeError
 from kvbridge.core.groups import GroupKind
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan, plan_transfers
-from kvbridge.core.transport import TransferOp
 from kvbridge.core.transpose import received_transposes
 
 

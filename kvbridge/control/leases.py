@@ -51,10 +51,10 @@ from kvbridge.control.requests import (
 )
 from kvbridge.control.streams import ComputedBlocks, PushKey, ReadyNotices, Stream, fence_all
 from kvbridge.control.transfers import RankShare, Transfers, pair_digest, plan_digest
+from kvbridge.core.batches import Fence, TransferOp
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify, unreadable_here
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
-from kvbridge.core.transport import Fence, TransferOp
 
 log = logging.getLogger("kvbridge.control")
 

@@ -46,6 +46,7 @@ from kvbridge.control.requests import (
 )
 from kvbridge.control.streams import ComputedBlocks, Stream
 from kvbridge.control.transfers import RankShare, Transfers, pair_digest, plan_digest
+from kvbridge.core.batches import Fence, TransferHandle, TransferOp
 from kvbridge.core.block_mapping import CheckedBlockIds
 from kvbridge.core.errors import (
     ControlError,
@@ -61,7 +62,6 @@ from kvbridge.core.integrity import Verify
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.rank_slices import check_coverage
 from kvbridge.core.tp import contact_ranks, plan_tp_pair
-from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 from kvbridge.core.transpose import received_transposes
 
 log = logging.getLogger("kvbridge.control")

@@ -35,9 +35,9 @@ from kvbridge.control.messages import (
     ProbeResult,
     ProbeScratch,
 )
+from kvbridge.core.batches import TransferOp
 from kvbridge.core.errors import KvbridgeError, MessageError
 from kvbridge.core.memory import MemoryKind, MemoryRange
-from kvbridge.core.transport import TransferOp
 
 log = logging.getLogger("kvbridge.control")
 

@@ -35,11 +35,11 @@ from kvbridge.control.handshakes import RemoteEngine
 from kvbridge.control.messages import LayersReady
 from kvbridge.control.requests import RequestStats, checked_ids
 from kvbridge.control.transfers import Transfers
+from kvbridge.core.batches import Fence, TransferHandle, TransferOp
 from kvbridge.core.block_mapping import CheckedBlockIds, different_block_sizes
 from kvbridge.core.errors import KvbridgeError
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair
-from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
 log = logging.getLogger("kvbridge.control")
 

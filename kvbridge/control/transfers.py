@@ -15,12 +15,12 @@ from typing import Literal
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.messages import BlockIds
 from kvbridge.control.requests import RequestStats, TransferParams
+from kvbridge.core.batches import Fence, TransferHandle, TransferOp
 from kvbridge.core.errors import KvbridgeError
 from kvbridge.core.integrity import Verify, chosen, digest
 from kvbridge.core.layout import Layout
 from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair
-from kvbridge.core.transport import Fence, TransferHandle, TransferOp
 
 log = logging.getLogger("kvbridge.control")
 

@@ -3,6 +3,7 @@
 Nothing here imports torch, a serving engine or a transfer engine.
 """
 
+from kvbridge.core.batches import Fence, TransferHandle, TransferOp, TransferState, TransferStatus
 from kvbridge.core.block_mapping import (
     align_block_ids,
     clip_sliding_window,
@@ -17,7 +18,7 @@ from kvbridge.core.boundary import (
     remote_prefill_token_count,
 )
 from kvbridge.core.compat import check_compatible, layout_differences
-from kvbridge.core.contract import MemoryAccess, TransportContract
+from kvbridge.core.contract import MemoryAccess, TransportContract, TransportLimits
 from kvbridge.core.errors import (
     BlockIdError,
     KvbridgeError,
@@ -36,19 +37,10 @@ from kvbridge.core.errors import (
 )
 from kvbridge.core.groups import CacheGroup, GroupKind
 from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Part, Region
+from kvbridge.core.memory import MemoryKind, MemoryRange
 from kvbridge.core.planning import TransferPlan, merge_descriptors, plan_transfers
 from kvbridge.core.registry import register_transport, unregister_transport
-from kvbridge.core.transport import (
-    Fence,
-    MemoryKind,
-    MemoryRange,
-    TransferHandle,
-    TransferOp,
-    TransferState,
-    TransferStatus,
-    Transport,
-    TransportLimits,
-)
+from kvbridge.core.transport import Transport
 
 __all__ = [
     "BlockIdError",

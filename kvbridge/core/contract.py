@@ -6,8 +6,9 @@ entry-point group ``kvbridge.transports`` (see ``registry``).
 
 Writing a plugin
 ----------------
-Subclass the kit, ``kvbridge.core.transport.Transport``, and supply only engine hooks (their
-signatures and duties are in ``kvbridge.core.engine_hooks``):
+Subclass the kit, ``kvbridge.plugin.Transport``, and supply only the ``engine_*`` hooks (each
+declared once, with its duty, in ``kvbridge.core.engine_hooks``; the required ones are checked
+when the plugin's class is defined):
 
 * memory registration: register and deregister a group of ranges of one kind and device;
 * peers: this agent's metadata payload, and loading a peer's payload into the engine;
@@ -16,7 +17,7 @@ signatures and duties are in ``kvbridge.core.engine_hooks``):
   that can be asked without blocking).
 
 The plugin's ``__init__`` calls ``super().__init__(timeout=..., retries=...)``, starts its
-engine, then ``self._open(TransportLimits(...))``.
+engine, then ``self.open(TransportLimits(...))``.
 
 Memory access
 -------------

@@ -23,27 +23,25 @@ import weakref
 from collections.abc import Callable, Collection, Hashable
 from contextlib import suppress
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from kvbridge.core.batches import Chunk, TransferHandle
-from kvbridge.core.engine_hooks import BlockingEngineHooks, EngineHooks, PolledEngineHooks
+from kvbridge.core.engine_hooks import EngineHooks
 from kvbridge.core.errors import TransportError
 from kvbridge.core.lanes import Lane
 
 __all__ = ["BlockingDriver", "EngineDriver", "PolledDriver"]
 
-_Hooks = TypeVar("_Hooks", bound=EngineHooks)
 
-
-class EngineDriver(abc.ABC, Generic[_Hooks]):
+class EngineDriver(abc.ABC):
     """What the kit asks of an engine model. "Lock held": the kit holds its lock when calling."""
 
-    def __init__(self, transport: _Hooks, lock: threading.RLock) -> None:
+    def __init__(self, transport: EngineHooks, lock: threading.RLock) -> None:
         self._ref = weakref.ref(transport)
         self._lock = lock  # the kit's lock (reentrant), shared
 
     @property
-    def _hooks(self) -> _Hooks:
+    def _hooks(self) -> EngineHooks:
         transport = self._ref()
         if transport is None:  # only the kit calls a driver, and it is alive then
             raise ReferenceError("the transport was collected")
@@ -91,10 +89,10 @@ class EngineDriver(abc.ABC, Generic[_Hooks]):
         """After ``close``, lock released: wait up to ``timeout`` s for work the engine holds."""
 
 
-class BlockingDriver(EngineDriver[BlockingEngineHooks]):
+class BlockingDriver(EngineDriver):
     """Engines whose completion call blocks: a lane thread per peer (``kvbridge.core.lanes``)."""
 
-    def __init__(self, transport: BlockingEngineHooks, lock: threading.RLock) -> None:
+    def __init__(self, transport: EngineHooks, lock: threading.RLock) -> None:
         super().__init__(transport, lock)
         self._lanes: dict[Hashable, Lane] = {}  # lane key -> lane (lock held)
         self._stopped: list[Lane] = []  # lanes close() stopped, for join()
@@ -109,17 +107,17 @@ class BlockingDriver(EngineDriver[BlockingEngineHooks]):
 
     def _lane(self, state: Any) -> Lane:  # lock held
         hooks = self._hooks
-        key = hooks._lane_key(state)
+        key = hooks.engine_lane_key(state)
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = Lane(hooks, state, hooks._describe_peer(state))
+            lane = self._lanes[key] = Lane(hooks, state, hooks.engine_describe_peer(state))
         return lane
 
     def forget(self, peer: str, state: Any, remaining: Collection[Any], reason: str) -> None:
         # Peers sharing a lane key share the lane: it stops with the last of them.
         hooks = self._hooks
-        key = hooks._lane_key(state)
-        if all(hooks._lane_key(s) != key for s in remaining):
+        key = hooks.engine_lane_key(state)
+        if all(hooks.engine_lane_key(s) != key for s in remaining):
             lane = self._lanes.pop(key, None)
             if lane is not None:
                 lane.stop(reason)
@@ -156,10 +154,10 @@ class BlockingDriver(EngineDriver[BlockingEngineHooks]):
             lane.join(max(0.0, deadline - time.monotonic()))
 
 
-class PolledDriver(EngineDriver[PolledEngineHooks]):
+class PolledDriver(EngineDriver):
     """Engines asked without blocking: every engine call under the kit's lock."""
 
-    def __init__(self, transport: PolledEngineHooks, lock: threading.RLock) -> None:
+    def __init__(self, transport: EngineHooks, lock: threading.RLock) -> None:
         super().__init__(transport, lock)
         self._closed = False
         self._live: set[TransferHandle] = set()  # handles with chunks in the engine
@@ -180,7 +178,7 @@ class PolledDriver(EngineDriver[PolledEngineHooks]):
             if not handle.enter_engine():
                 break
             try:
-                chunk.token = hooks._start_chunk(state, chunk)
+                chunk.token = hooks.engine_start_chunk(state, chunk)
             except BaseException as err:
                 handle.leave_engine()
                 handle.fail(f"{handle.describe()} could not start: {err}")
@@ -210,7 +208,7 @@ class PolledDriver(EngineDriver[PolledEngineHooks]):
                     h.fail(f"{h.describe()}: the transport is closed")
                 return
             for chunk in h.active:
-                result = hooks._check_chunk(chunk)
+                result = hooks.engine_check_chunk(chunk)
                 if result is None:
                     continue
                 h.untrack(chunk)
@@ -258,7 +256,7 @@ class PolledDriver(EngineDriver[PolledEngineHooks]):
         stuck, self._stuck = self._stuck, []
         for chunk in stuck:  # the engine goes below: nothing of these can move after it
             with suppress(TransportError):
-                self._hooks._release_chunk(chunk)
+                self._hooks.engine_release_chunk(chunk)
             chunk.handle.leave_engine()
 
     def _settle(self, h: TransferHandle) -> None:
@@ -271,7 +269,7 @@ class PolledDriver(EngineDriver[PolledEngineHooks]):
 
     def _give_back(self, chunk: Chunk, *, unproven: bool) -> None:
         """Free the engine's handle of a chunk (lock held); a refusal keeps it in the engine."""
-        if self._hooks._release_chunk(chunk):
+        if self._hooks.engine_release_chunk(chunk):
             chunk.token = None
             chunk.handle.leave_engine(unproven=unproven)
         else:

@@ -83,7 +83,7 @@ class TransferError(TransportError):
 class ChunkRefused(TransferError):
     """A transport's engine refused a chunk before sending any of it (the kit may start it again).
 
-    Raised by a plugin's ``_start_chunk`` hook; callers of the transport never see it.
+    Raised by a plugin's ``engine_start_chunk`` hook; callers of the transport never see it.
     """
 
 

@@ -13,7 +13,7 @@ fleet connects to hundreds of P ranks).
 
 The lane reaches its transport through a weak reference, so a transport dropped without ``close``
 is collected (its finalizer stops the lanes); during an engine call the lane holds it. It is typed
-on the hooks (``BlockingEngineHooks``), never on the kit, which imports this module.
+on the hooks (``EngineHooks``), never on the kit, which imports this module.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any
 
 from kvbridge.core.batches import Chunk
-from kvbridge.core.engine_hooks import BlockingEngineHooks
+from kvbridge.core.engine_hooks import EngineHooks
 from kvbridge.core.errors import ChunkRefused, PeerError, TransportError
 
 #: Seconds a lane's thread waits for work before it ends (a thread start costs ~0.1 ms; a peer
@@ -40,7 +40,7 @@ class _Dropped(Exception):
 class Lane:
     """The thread that moves every chunk to one peer (see the module docstring)."""
 
-    def __init__(self, transport: BlockingEngineHooks, peer_state: Any, label: str) -> None:
+    def __init__(self, transport: EngineHooks, peer_state: Any, label: str) -> None:
         self._owner = weakref.ref(transport)
         self.peer_state = peer_state
         self.label = label
@@ -87,7 +87,7 @@ class Lane:
         thread.join(timeout)
         return not thread.is_alive()
 
-    def _transport(self) -> BlockingEngineHooks:
+    def _transport(self) -> EngineHooks:
         transport = self._owner()
         if transport is None:
             raise _Dropped
@@ -95,7 +95,7 @@ class Lane:
 
     def _reach(self) -> str | None:
         # Engines may block here on a frozen peer (Mooncake's probe, ~60 s); other lanes go on.
-        why = self._transport()._reach_peer(self.peer_state)
+        why = self._transport().engine_reach_peer(self.peer_state)
         self._reached = why is None
         return why
 
@@ -131,7 +131,7 @@ class Lane:
                         inflight.append(chunk)
                 if inflight:
                     chunk = inflight.popleft()
-                    result = self._transport()._wait_chunk(chunk)
+                    result = self._transport().engine_wait_chunk(chunk)
                     count -= len(chunk.lengths)
                     chunk.token = None
                     chunk.handle.leave_engine(unproven=result.unproven)
@@ -166,7 +166,7 @@ class Lane:
             return False
         chunk.started = time.monotonic()
         try:
-            chunk.token = self._transport()._start_chunk(self.peer_state, chunk)
+            chunk.token = self._transport().engine_start_chunk(self.peer_state, chunk)
         except ChunkRefused as refused:  # nothing was sent
             h.leave_engine()
             self._retry_or_fail(chunk, str(refused), True)

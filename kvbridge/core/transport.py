@@ -5,28 +5,22 @@ subclasses ``Transport`` and implements engine hooks only (``kvbridge.core.engin
 module owns registration bookkeeping with rollback, peers, the metadata envelope and its version,
 the checks every ``submit`` makes, handles and the closed check, and the life cycle; what differs
 between blocking and polled engines is a driver (``kvbridge.core.drivers``) picked once, at
-construction, from ``blocking_engine``. Descriptor helpers live in ``kvbridge.core.descriptors``;
-the names this module always exported are re-exported from here.
+construction, from ``blocking_engine``. Descriptor helpers live in ``kvbridge.core.descriptors``.
+A plugin imports what it needs from ``kvbridge.plugin``.
 """
 
 from __future__ import annotations
 
-import abc
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
 from kvbridge.core.batches import (
-    CHUNK_OK,
-    DONE,
-    PENDING,
     AddrArray,
-    Chunk,
-    ChunkResult,
     Fence,
     TransferHandle,
     TransferOp,
@@ -34,16 +28,14 @@ from kvbridge.core.batches import (
     TransferStatus,
     split_batch,
 )
-from kvbridge.core.contract import MemoryAccess, TransportContract, TransportLimits
+from kvbridge.core.contract import TransportContract, TransportLimits
 from kvbridge.core.descriptors import (
-    Batch,
-    as_addr_array,
-    check_descriptors,
     device_holding,
     prepare_batch,
     unknown_peer_error,
 )
 from kvbridge.core.drivers import BlockingDriver, EngineDriver, PolledDriver
+from kvbridge.core.engine_hooks import EngineHooks, check_engine_hooks
 from kvbridge.core.errors import (
     PeerError,
     RegistrationError,
@@ -52,35 +44,9 @@ from kvbridge.core.errors import (
     TransportError,
     TransportUnavailableError,
 )
-from kvbridge.core.memory import DeviceKey, MemoryKind, MemoryRange, RegisteredRanges, by_device
+from kvbridge.core.memory import DeviceKey, MemoryRange, RegisteredRanges, by_device
 
-__all__ = [
-    "CHUNK_OK",
-    "DONE",
-    "PENDING",
-    "AddrArray",
-    "Batch",
-    "Chunk",
-    "ChunkResult",
-    "DeviceKey",
-    "Fence",
-    "MemoryAccess",
-    "MemoryKind",
-    "MemoryRange",
-    "TransferHandle",
-    "TransferOp",
-    "TransferState",
-    "TransferStatus",
-    "Transport",
-    "TransportContract",
-    "TransportLimits",
-    "TransportMetadata",
-    "as_addr_array",
-    "check_descriptors",
-    "device_holding",
-    "prepare_batch",
-    "unknown_peer_error",
-]
+__all__ = ["Transport", "TransportMetadata"]
 
 _Payload = TypeVar("_Payload")
 
@@ -97,31 +63,17 @@ _encode_envelope = msgspec.msgpack.Encoder().encode
 _decode_envelope = msgspec.msgpack.Decoder(TransportMetadata).decode
 
 
-class Transport(TransportContract):
+class Transport(TransportContract, EngineHooks):
     """A transport: the contract's methods (documented in ``TransportContract``), implemented
-    once over a plugin's engine hooks.
+    once over a plugin's engine hooks (declared, with their duties, in ``EngineHooks``).
 
     Construction takes keyword options only (from ``load_transport(name, **options)``); a plugin's
     ``__init__`` calls ``super().__init__(timeout=..., retries=...)``, starts its engine, then
-    ``self._open(limits)``. ``timeout`` (seconds) bounds every batch from ``submit``.
+    ``self.open(limits)``. ``timeout`` (seconds) bounds every batch from ``submit``.
     """
 
-    name: ClassVar[str] = "abstract"
-    #: how to install the engine, shown when it cannot be imported
-    install_hint: ClassVar[str] = ""
-    #: where the engine's own reason for a failure goes, appended to failure messages
-    log_hint: ClassVar[str] = ""
     #: version of the plugin's metadata payload; peers with another version are refused
     metadata_version: ClassVar[int] = 1
-    #: True when the engine's completion call blocks (``_wait_chunk``, run on one lane thread per
-    #: peer); False when chunks are checked without blocking (``_check_chunk``) from ``poll``.
-    #: Read once, at construction, to pick the driver.
-    blocking_engine: ClassVar[bool] = False
-    #: Polled engines: True only when releasing a chunk the engine still moves (``_release_chunk``)
-    #: stops it for good, so once the release returns no byte of it moves (the engine's code
-    #: guarantees it). False: a released or timed-out batch's chunks stay in the engine, watched
-    #: by ``fence``, until the engine ends them itself.
-    cancel_is_fence: ClassVar[bool] = False
     #: the keyword option naming the address this agent announces to peers, if the engine
     #: announces one; adapters fill it from their own configured host when it is not given
     host_option: ClassVar[str | None] = None
@@ -133,7 +85,8 @@ class Transport(TransportContract):
             raise ValueError(f"retries must not be negative, got {retries}")
         self.timeout = float(timeout)
         self.retries = int(retries)
-        self._closed = True  # until the plugin's engine runs (``_open``)
+        check_engine_hooks(type(self))  # a class without a name was not checked when defined
+        self._closed = True  # until the plugin's engine runs (``open``)
         # Guards the bookkeeping below, and every engine call of a non-blocking engine (such
         # engines are rarely thread-safe). Reentrant: hooks may call back into the base.
         self._lock = threading.RLock()
@@ -145,93 +98,43 @@ class Transport(TransportContract):
         self._batches: dict[str, list[TransferHandle]] = {}
         self._wide_listeners: list[str] = []  # set by plugins whose engine listens
         # The engine model, chosen once: no method of the kit asks which it is.
-        self._driver: EngineDriver[Any] = (
+        self._driver: EngineDriver = (
             BlockingDriver(self, self._lock)
             if self.blocking_engine
             else PolledDriver(self, self._lock)
         )
 
-    def _open(self, limits: TransportLimits) -> None:
-        """Called by the plugin once its engine runs: the transport accepts calls from now on."""
+    def open(self, limits: TransportLimits) -> None:
+        """Called by the plugin once its engine runs, with what the engine takes: the transport
+        accepts calls from now on."""
         self._limits = limits
         self._closed = False
         self._driver.opened()
-
-    # -- engine hooks: required (abstract) ones, and the defaults of the others --------------
-    # What each one must do is documented once, in ``kvbridge.core.engine_hooks``.
-
-    @classmethod
-    def _import_engine(cls) -> Any:
-        return None  # no engine library to import
-
-    @classmethod
-    def _unavailable_message(cls, err: ImportError) -> str:
-        return (
-            f"the {cls.name} engine cannot be imported ({err}); install it with {cls.install_hint}"
-        )
-
-    @abc.abstractmethod
-    def _register_group(self, device: DeviceKey, ranges: list[MemoryRange]) -> None: ...
-
-    @abc.abstractmethod
-    def _deregister_group(self, device: DeviceKey, ranges: list[MemoryRange]) -> None: ...
-
-    def _check_range(self, rng: MemoryRange) -> None:
-        pass  # any range
-
-    def _memory_hint(self) -> str:
-        return ""
-
-    @abc.abstractmethod
-    def _engine_metadata(self) -> bytes: ...
-
-    @abc.abstractmethod
-    def _connect_engine(self, peer: str, payload: bytes, old: Any) -> Any: ...
-
-    def _disconnect_engine(self, peer: str, state: Any) -> None:
-        pass
-
-    def _describe_peer(self, state: Any) -> str:
-        return ""
-
-    def _check_remote(self, state: Any, remote: AddrArray, lengths: AddrArray, peer: str) -> None:
-        pass  # the engine checks remote descriptors itself
-
-    def _lane_key(self, state: Any) -> Hashable:
-        return id(state)  # one lane per peer state
-
-    def _reach_peer(self, state: Any) -> str | None:
-        return None  # reachable without asking
-
-    @abc.abstractmethod
-    def _start_chunk(self, state: Any, chunk: Chunk) -> Any: ...
-
-    def _wait_chunk(self, chunk: Chunk) -> ChunkResult:
-        raise NotImplementedError(
-            f"{type(self).__name__} sets blocking_engine but has no _wait_chunk"
-        )
-
-    def _check_chunk(self, chunk: Chunk) -> ChunkResult | None:
-        raise NotImplementedError(f"{type(self).__name__} must implement _check_chunk")
-
-    def _release_chunk(self, chunk: Chunk) -> bool:
-        return True  # nothing to free
-
-    def _close_engine(self) -> None:
-        pass
 
     # -- availability and limits --------------------------------------------------------------
 
     @classmethod
     def check_available(cls) -> None:
-        cls._load_engine()
+        cls.load_engine()
 
     @classmethod
-    def _load_engine(cls) -> Any:
+    def load_engine(cls) -> Any:
+        """The engine library (``engine_import``); ``TransportUnavailableError`` when missing.
+        A plugin's ``__init__`` calls it before starting its engine."""
         try:
-            return cls._import_engine()
+            return cls.engine_import()
         except ImportError as err:
-            raise TransportUnavailableError(cls._unavailable_message(err)) from err
+            raise TransportUnavailableError(cls.engine_unavailable_message(err)) from err
+
+    @property
+    def closed(self) -> bool:
+        """True until the plugin's engine runs (``open``), and after ``close``."""
+        return self._closed
+
+    @property
+    def peer_count(self) -> int:
+        """How many peer names are connected now."""
+        return len(self._peers)
 
     @property
     def limits(self) -> TransportLimits:
@@ -249,6 +152,10 @@ class Transport(TransportContract):
         fills it at construction (and logs a warning) when its engine cannot be bound."""
         return list(self._wide_listeners)
 
+    @wide_listeners.setter
+    def wide_listeners(self, listeners: list[str]) -> None:
+        self._wide_listeners = list(listeners)
+
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"the {self.name} transport is closed ({self!r})")
@@ -262,21 +169,21 @@ class Transport(TransportContract):
             if rng.kind not in kinds:
                 raise RegistrationError(
                     f"cannot register {rng}: the {self.name} transport moves only "
-                    f"{sorted(k.value for k in kinds)} memory{self._memory_hint()}"
+                    f"{sorted(k.value for k in kinds)} memory{self.engine_memory_hint()}"
                 )
-            self._check_range(rng)
+            self.engine_check_range(rng)
         with self._lock:
             self._check_open()
             new = self._ranges.add(ranges)
             done: list[MemoryRange] = []
             try:
                 for device, group in by_device(new).items():
-                    self._register_group(device, group)
+                    self.engine_register(device, group)
                     done.extend(group)
             except BaseException:
                 for device, group in by_device(done).items():
                     with suppress(TransportError):
-                        self._deregister_group(device, group)
+                        self.engine_deregister(device, group)
                 self._ranges.remove(new)
                 raise
             for device, group in by_device(new).items():
@@ -293,7 +200,7 @@ class Transport(TransportContract):
                 if not len(self._devices[device]):
                     del self._devices[device]
                 try:
-                    self._deregister_group(device, group)
+                    self.engine_deregister(device, group)
                 except TransportError as err:  # keep going: the other groups still go
                     failures.append(str(err))
         if failures:
@@ -308,7 +215,7 @@ class Transport(TransportContract):
     def metadata(self) -> bytes:
         self._check_open()
         with self._lock:
-            payload = self._engine_metadata()
+            payload = self.engine_metadata()
         return _encode_envelope(TransportMetadata(self.name, self.metadata_version, payload))
 
     def connect(self, peer: str, metadata: bytes) -> None:
@@ -333,7 +240,7 @@ class Transport(TransportContract):
         with self._lock:
             self._check_open()
             old = self._peers.get(peer)
-            state = self._connect_engine(peer, envelope.payload, old)
+            state = self.engine_connect(peer, envelope.payload, old)
             if old is not None and state is old:
                 return
             if peer in self._peers:
@@ -379,7 +286,7 @@ class Transport(TransportContract):
         self._batches.pop(peer, None)
         state = self._peers.pop(peer)
         self._driver.forget(peer, state, self._peers.values(), reason)
-        self._disconnect_engine(peer, state)
+        self.engine_disconnect(peer, state)
 
     # -- transfers ----------------------------------------------------------------------------
 
@@ -399,7 +306,7 @@ class Transport(TransportContract):
             if state is None:
                 raise unknown_peer_error(peer, self._peers)
             self._ranges.require_covered(batch.local, batch.lengths, "local")
-            self._check_remote(state, batch.remote, batch.lengths, peer)
+            self.engine_check_remote(state, batch.remote, batch.lengths, peer)
             handle = TransferHandle(
                 op,
                 peer,
@@ -407,7 +314,7 @@ class Transport(TransportContract):
                 batch.nbytes,
                 time.monotonic() + self.timeout,
                 transport=self.name,
-                where=self._describe_peer(state),
+                where=self.engine_describe_peer(state),
             )
             chunks = split_batch(
                 handle, batch.local, batch.remote, batch.lengths, self.limits.max_batch
@@ -491,13 +398,13 @@ class Transport(TransportContract):
         with self._lock:
             for device, group in by_device(self._ranges.clear()).items():
                 with suppress(TransportError):
-                    self._deregister_group(device, group)
+                    self.engine_deregister(device, group)
             self._devices.clear()
             peers, self._peers = self._peers, {}
             for peer, state in peers.items():
                 with suppress(TransportError):
-                    self._disconnect_engine(peer, state)
-            self._close_engine()
+                    self.engine_disconnect(peer, state)
+            self.engine_close()
 
     def __enter__(self) -> Transport:
         return self

@@ -66,6 +66,7 @@ import numpy as np
 import pytest
 
 import kvbridge
+from kvbridge.core.batches import Fence, TransferOp, TransferState
 from kvbridge.core.errors import (
     PeerError,
     RegistrationError,
@@ -73,15 +74,9 @@ from kvbridge.core.errors import (
     TransportError,
     TransportUnavailableError,
 )
+from kvbridge.core.memory import MemoryKind, MemoryRange
 from kvbridge.core.registry import load_transport_class
-from kvbridge.core.transport import (
-    Fence,
-    MemoryKind,
-    MemoryRange,
-    TransferOp,
-    TransferState,
-    Transport,
-)
+from kvbridge.core.transport import Transport
 from kvbridge.testing.peer import PeerProcess, random_bytes
 
 MiB = 1 << 20

@@ -31,16 +31,11 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from kvbridge.core.batches import AddrArray, Chunk, ChunkResult
+from kvbridge.core.batches import AddrArray, Chunk, ChunkResult, TransferOp
+from kvbridge.core.contract import TransportLimits
 from kvbridge.core.errors import PeerError
-from kvbridge.core.memory import RegisteredRanges
-from kvbridge.core.transport import (
-    MemoryKind,
-    MemoryRange,
-    TransferOp,
-    Transport,
-    TransportLimits,
-)
+from kvbridge.core.memory import MemoryKind, MemoryRange, RegisteredRanges
+from kvbridge.core.transport import Transport
 
 __all__ = ["Fault", "LoopbackMetadata", "LoopbackTransport"]
 
@@ -64,9 +59,9 @@ _numbers = itertools.count(1)
 _copying = threading.Lock()
 
 
-def _snapshot(ranges: RegisteredRanges) -> RegisteredRanges:
+def _snapshot(ranges: list[MemoryRange]) -> RegisteredRanges:
     copy = RegisteredRanges()
-    copy.add(list(ranges))
+    copy.add(ranges)
     return copy
 
 
@@ -102,30 +97,30 @@ class LoopbackTransport(Transport):
         #: what peers may touch now: a snapshot of the registrations, swapped under ``_copying``
         self._published = RegisteredRanges()
         _agents[self.agent] = self
-        self._open(TransportLimits(max_batch, None, frozenset({MemoryKind.DRAM})))
+        self.open(TransportLimits(max_batch, None, frozenset({MemoryKind.DRAM})))
 
     # -- memory -------------------------------------------------------------------------------
 
-    def _memory_hint(self) -> str:
+    def engine_memory_hint(self) -> str:
         return " (it copies host memory of this process with ctypes.memmove)"
 
     def _publish(self) -> None:
-        snapshot = _snapshot(self._ranges)
+        snapshot = _snapshot(self.registered)
         with _copying:  # waits for a copy into what is taken back
             self._published = snapshot
 
-    def _register_group(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
+    def engine_register(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
         self._publish()
 
-    def _deregister_group(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
+    def engine_deregister(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
         self._publish()
 
     # -- peers --------------------------------------------------------------------------------
 
-    def _engine_metadata(self) -> bytes:
+    def engine_metadata(self) -> bytes:
         return msgspec.msgpack.encode(LoopbackMetadata(os.getpid(), self.agent))
 
-    def _connect_engine(self, peer: str, payload: bytes, old: Any) -> Any:
+    def engine_connect(self, peer: str, payload: bytes, old: Any) -> Any:
         meta = self.decode_payload(peer, payload, LoopbackMetadata)
         if meta.pid != os.getpid():
             raise PeerError(
@@ -142,12 +137,14 @@ class LoopbackTransport(Transport):
             return old
         return other
 
-    def _describe_peer(self, state: Any) -> str:
+    def engine_describe_peer(self, state: Any) -> str:
         return f"loopback {state.agent}"
 
     # -- transfers ----------------------------------------------------------------------------
 
-    def _check_remote(self, state: Any, remote: AddrArray, lengths: AddrArray, peer: str) -> None:
+    def engine_check_remote(
+        self, state: Any, remote: AddrArray, lengths: AddrArray, peer: str
+    ) -> None:
         if state._closed:
             raise PeerError(
                 f"peer {peer!r}: its loopback transport {state.agent} is closed; nothing was "
@@ -155,7 +152,7 @@ class LoopbackTransport(Transport):
             )
         state._published.require_covered(remote, lengths, f"remote (peer {peer!r})")
 
-    def _start_chunk(self, state: Any, chunk: Chunk) -> Any:
+    def engine_start_chunk(self, state: Any, chunk: Chunk) -> Any:
         """Copy the chunk now (``None``: done inside the call), or return its failure."""
         if self.fault is not None:  # outside ``_copying``: the hook may call any transport
             try:
@@ -179,15 +176,15 @@ class LoopbackTransport(Transport):
                 ctypes.memmove(dst, src, size)
         return None
 
-    def _check_chunk(self, chunk: Chunk) -> ChunkResult | None:
+    def engine_check_chunk(self, chunk: Chunk) -> ChunkResult | None:
         result: ChunkResult = chunk.token  # only failed chunks stay with a token
         return result
 
-    def _close_engine(self) -> None:
+    def engine_close(self) -> None:
         with _copying:
             self._published = RegisteredRanges()
         _agents.pop(self.agent, None)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        state = "closed" if self.closed else f"{self.peer_count} peers"
         return f"<LoopbackTransport {self.agent} {state}>"

@@ -61,7 +61,7 @@ class _Buffer:
             self.addr = int(self.tensor.data_ptr())
 
     def memory_range(self) -> Any:
-        from kvbridge.core.transport import MemoryKind, MemoryRange
+        from kvbridge.core.memory import MemoryKind, MemoryRange
 
         if self.device == "cpu":
             return MemoryRange(self.addr, self.size)
@@ -106,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         reply_stream.flush()
 
     import kvbridge
-    from kvbridge.core.transport import TransferOp
+    from kvbridge.core.batches import TransferOp
 
     transport = kvbridge.load_transport(args.transport, **json.loads(args.options))
     buf = _Buffer(args.size, args.device)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import kvbridge.core
-import kvbridge.core.transport
+import kvbridge.plugin
 from kvbridge.core.contract import MemoryAccess, TransportContract
 from kvbridge.core.errors import TransportError
 from kvbridge.core.registry import NAMESPACE
@@ -45,8 +45,9 @@ def test_every_shipped_transport_declares_its_access_itself() -> None:
 def test_a_plugin_that_declares_nothing_gets_the_safe_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class Undeclared(Transport):  # abstract: never built, only asked
-        name = "undeclared"
+    # Abstract and unnamed (a named class must write every engine hook): only its class is asked.
+    class Undeclared(Transport):
+        pass
 
     monkeypatch.delenv(PEERMEM_ENV, raising=False)
     assert Undeclared.memory_access is MemoryAccess.REGISTERS
@@ -60,11 +61,11 @@ def test_the_flags() -> None:
     both = MemoryAccess.REGISTERS | MemoryAccess.EXPORTS_WITHIN_HOST
     assert MemoryAccess.REGISTERS in both and MemoryAccess.EXPORTS_WITHIN_HOST in both
     assert MemoryAccess.EXPORTS_WITHIN_HOST not in MemoryAccess.REGISTERS
-    # exported where the contract's other names are
+    # exported where the contract's other names are, and where plugins import from
     assert kvbridge.core.MemoryAccess is MemoryAccess
-    assert kvbridge.core.transport.MemoryAccess is MemoryAccess
+    assert kvbridge.plugin.MemoryAccess is MemoryAccess
     assert "MemoryAccess" in kvbridge.core.__all__
-    assert "MemoryAccess" in kvbridge.core.transport.__all__
+    assert "MemoryAccess" in kvbridge.plugin.__all__
 
 
 # -- Mooncake: DMA-BUF for driver-mapped memory -------------------------------------------------

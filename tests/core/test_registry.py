@@ -32,7 +32,9 @@ PLUGIN = textwrap.dedent(
     """A third-party transport: copies within one process with ctypes.memmove."""
     import ctypes
 
-    from kvbridge.core.transport import TransferOp, Transport, TransportLimits
+    from kvbridge.core.batches import TransferOp
+    from kvbridge.core.contract import TransportLimits
+    from kvbridge.core.transport import Transport
 
 
     class MemmoveTransport(Transport):
@@ -44,33 +46,39 @@ PLUGIN = textwrap.dedent(
         def __init__(self, *, timeout=5.0, label="x"):
             super().__init__(timeout=timeout)
             self.label = label
-            self._open(TransportLimits())
+            self.open(TransportLimits())
 
-        def _register_group(self, device, ranges):
+        def engine_register(self, device, ranges):
             pass
 
-        def _deregister_group(self, device, ranges):
+        def engine_deregister(self, device, ranges):
             pass
 
-        def _engine_metadata(self):
+        def engine_metadata(self):
             return self.label.encode()
 
-        def _connect_engine(self, peer, payload, old):
+        def engine_connect(self, peer, payload, old):
             return payload.decode()
 
-        def _start_chunk(self, state, chunk):
+        def engine_start_chunk(self, state, chunk):
             pairs = zip(chunk.local.tolist(), chunk.remote.tolist(), chunk.lengths.tolist())
             for l, r, n in pairs:
                 src, dst = (r, l) if chunk.op is TransferOp.READ else (l, r)
                 ctypes.memmove(dst, src, n)
             return None  # finished inside the call
 
+        def engine_check_chunk(self, chunk):
+            return None  # never asked: every chunk finished inside engine_start_chunk
+
+        def engine_check_remote(self, state, remote, lengths, peer):
+            pass  # its peers are transports of this process: nothing to check against
+
 
     class NeedsEngineTransport(MemmoveTransport):
         name = "needs-engine"
 
         @classmethod
-        def _import_engine(cls):
+        def engine_import(cls):
             import fancy_engine  # not installed
 
             return fancy_engine
@@ -336,29 +344,35 @@ class _Local(Transport):
     def __init__(self, *, timeout: float = 5.0, label: str = "") -> None:
         super().__init__(timeout=timeout)
         self.label = label
-        self._open(TransportLimits())
+        self.open(TransportLimits())
 
-    def _register_group(self, device, ranges):
+    def engine_register(self, device, ranges):
         pass
 
-    def _deregister_group(self, device, ranges):
+    def engine_deregister(self, device, ranges):
         pass
 
-    def _engine_metadata(self):
+    def engine_metadata(self):
         return b""
 
-    def _connect_engine(self, peer, payload, old):
+    def engine_connect(self, peer, payload, old):
         return payload
 
-    def _start_chunk(self, state, chunk):
+    def engine_start_chunk(self, state, chunk):
         return None
+
+    def engine_check_chunk(self, chunk):
+        return None  # never asked: nothing is started
+
+    def engine_check_remote(self, state, remote, lengths, peer):
+        pass
 
 
 class _Unavailable(_Local):
     install_hint = "pip install nothing-real"
 
     @classmethod
-    def _import_engine(cls):
+    def engine_import(cls):
         raise ImportError("no engine here")
 
 

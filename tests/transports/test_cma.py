@@ -26,8 +26,9 @@ from kvbridge.core.errors import (
     TransferError,
     TransportUnavailableError,
 )
+from kvbridge.core.memory import MemoryRange
 from kvbridge.core.registry import load_transport_class
-from kvbridge.core.transport import MemoryRange, Transport, TransportMetadata
+from kvbridge.core.transport import Transport, TransportMetadata
 from kvbridge.testing import (
     READ,
     WRITE,
@@ -130,7 +131,7 @@ def test_remote_range_outside_registration_refused_before_any_byte(
     calls: list[int] = []
     monkeypatch.setattr(cma, "_copy", lambda *args: calls.append(1) or (0, 0))
     args = ([local.ctypes.data], [outside.ctypes.data], [4096])
-    monkeypatch.setattr(transport, "_check_remote", lambda *args: None)  # no check at submit
+    monkeypatch.setattr(transport, "engine_check_remote", lambda *args: None)  # no check at submit
     handle = transport.submit(WRITE, "p", *args)
     with pytest.raises(TransferError, match=r"not inside registered memory.*nothing was moved"):
         transport.wait(handle)
@@ -239,7 +240,7 @@ def test_allow_peers_sets_the_ptracer_only_under_yama_scope_1(
     calls: list[tuple[Any, ...]] = []
     real = cma._load_libc()
     fake = cma._Libc(real.readv, real.writev, lambda *a: calls.append(a) or 0)
-    monkeypatch.setattr(CmaTransport, "_import_engine", classmethod(lambda cls: fake))
+    monkeypatch.setattr(CmaTransport, "engine_import", classmethod(lambda cls: fake))
     scope = {"/proc/sys/kernel/yama/ptrace_scope": "1"}
     read = cma._read
     monkeypatch.setattr(cma, "_read", lambda path: scope.get(path) or read(path))

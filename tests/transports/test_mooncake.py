@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from kvbridge.core.transport import Fence
+from kvbridge.core.batches import Fence
 from kvbridge.testing import (
     WRITE,
     MiB,

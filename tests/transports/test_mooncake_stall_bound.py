@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbridge.core.batches import Fence, TransferOp
 from kvbridge.core.errors import TransferError
-from kvbridge.core.transport import Fence, MemoryRange, TransferOp
+from kvbridge.core.memory import MemoryRange
 from kvbridge.transports.mooncake import transport as mc
 
 

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvbridge.core.batches import TransferOp, TransferState
 from kvbridge.core.errors import (
     PeerError,
     RegistrationError,
@@ -27,7 +28,8 @@ from kvbridge.core.errors import (
     TransportError,
     TransportUnavailableError,
 )
-from kvbridge.core.transport import MemoryRange, TransferOp, TransferState, TransportMetadata
+from kvbridge.core.memory import MemoryRange
+from kvbridge.core.transport import TransportMetadata
 from kvbridge.transports.mooncake import transport as mc
 from kvbridge.transports.mooncake.transport import MooncakeMetadata, MooncakeTransport
 
@@ -108,7 +110,7 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
         fake.env_timeout = os.environ.get("MC_TRANSFER_TIMEOUT")  # what the real one reads
         return fake
 
-    monkeypatch.setattr(mc, "_import_engine", lambda: construct)
+    monkeypatch.setattr(mc, "engine_import", lambda: construct)
     return fake
 
 

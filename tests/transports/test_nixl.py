@@ -63,7 +63,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 _MAKE = f"""
     import numpy as np
     import kvbridge
-    from kvbridge.core.transport import MemoryRange
+    from kvbridge.core.memory import MemoryRange
     t = kvbridge.load_transport("nixl", ucx={{"TLS": "{TCP_LOOPBACK["TLS"]}"}})
     buf = np.zeros(1 << 20, dtype=np.uint8)
     t.register([MemoryRange(int(buf.ctypes.data), buf.nbytes)])

@@ -31,6 +31,7 @@ import functools
 import os
 import select
 import sys
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -229,7 +230,7 @@ class CmaTransport(Transport):
         self, *, timeout: float = 30.0, retries: int = 0, allow_peers: bool = True
     ) -> None:
         super().__init__(timeout=timeout, retries=retries)
-        self._libc: _Libc = self._load_engine()
+        self._libc: _Libc = self.load_engine()
         self.allow_peers = bool(allow_peers)
         if self.allow_peers and _read("/proc/sys/kernel/yama/ptrace_scope") == "1":
             _allow_any_ptracer(self._libc)
@@ -237,35 +238,36 @@ class CmaTransport(Transport):
         self._boot_id = _read("/proc/sys/kernel/random/boot_id") or f"host {self._host}"
         self._pid_namespace = _pid_namespace()
         self._helper: ThreadPoolExecutor | None = None  # copies a large chunk's first half
+        self._helper_lock = threading.Lock()  # lanes of two peers may start it at once
         self._published = PublishedRanges("kvbridge-cma", self.timeout)
         # Revoked on close, or when the transport is dropped: peers then refuse to move bytes.
         self._revoke = weakref.finalize(self, self._published.close)
-        self._open(TransportLimits(IOV_MAX, IOV_MAX, frozenset({MemoryKind.DRAM})))
+        self.open(TransportLimits(IOV_MAX, IOV_MAX, frozenset({MemoryKind.DRAM})))
 
     @classmethod
-    def _import_engine(cls) -> _Libc:
+    def engine_import(cls) -> _Libc:
         if not sys.platform.startswith("linux"):
             raise ImportError(f"cross-memory attach is Linux only, this is {sys.platform}")
         return _load_libc()
 
     @classmethod
-    def _unavailable_message(cls, err: ImportError) -> str:
+    def engine_unavailable_message(cls, err: ImportError) -> str:
         return f"the cma transport cannot run here: {err}; {_OTHER_TRANSPORTS}"
 
     # -- memory: the kernel needs no registration; peers read what is published now ---------
 
-    def _memory_hint(self) -> str:
+    def engine_memory_hint(self) -> str:
         return f" (host memory only; for GPU memory {_OTHER_TRANSPORTS})"
 
-    def _register_group(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
-        self._published.publish(self._ranges)
+    def engine_register(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
+        self._published.publish(self.registered)
 
-    def _deregister_group(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
-        self._published.publish(self._ranges)  # returns once no peer copies into them
+    def engine_deregister(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
+        self._published.publish(self.registered)  # returns once no peer copies into them
 
     # -- peers ------------------------------------------------------------------------------
 
-    def _engine_metadata(self) -> bytes:
+    def engine_metadata(self) -> bytes:
         pid = os.getpid()
         return msgspec.msgpack.encode(
             CmaMetadata(
@@ -278,7 +280,7 @@ class CmaTransport(Transport):
             )
         )
 
-    def _connect_engine(self, peer: str, payload: bytes, old: Any) -> _Peer:
+    def engine_connect(self, peer: str, payload: bytes, old: Any) -> _Peer:
         meta = self.decode_payload(peer, payload, CmaMetadata)
         if old is not None and old.meta == meta:
             return old  # type: ignore[no-any-return]
@@ -304,18 +306,20 @@ class CmaTransport(Transport):
             raise PeerError(f"{err}; connect with its running transport's metadata") from None
         return _Peer(meta, ranges, watch)
 
-    def _describe_peer(self, state: Any) -> str:
+    def engine_describe_peer(self, state: Any) -> str:
         return f"pid {state.meta.pid}"
 
     # -- transfers --------------------------------------------------------------------------
 
-    def _check_remote(self, state: Any, remote: AddrArray, lengths: AddrArray, peer: str) -> None:
+    def engine_check_remote(
+        self, state: Any, remote: AddrArray, lengths: AddrArray, peer: str
+    ) -> None:
         state.ranges.check(remote, lengths, f"remote (peer {peer!r})")
 
-    def _start_chunk(self, state: Any, chunk: Chunk) -> _Peer:
-        return state  # type: ignore[no-any-return]  # the copy runs in _wait_chunk, on the lane
+    def engine_start_chunk(self, state: Any, chunk: Chunk) -> _Peer:
+        return state  # type: ignore[no-any-return]  # the copy runs in engine_wait_chunk, on the lane
 
-    def _wait_chunk(self, chunk: Chunk) -> ChunkResult:
+    def engine_wait_chunk(self, chunk: Chunk) -> ChunkResult:
         peer: _Peer = chunk.token
         if chunk.handle.finished:  # released or failed while queued: none of it moves
             return ChunkResult(False, "the batch ended before this chunk moved", retry=False)
@@ -342,7 +346,7 @@ class CmaTransport(Transport):
         if len(lengths) < 2 or int(lengths.sum()) < SPLIT_BYTES:
             return _copy(call, pid, chunk.local, chunk.remote, lengths)
         half = len(lengths) // 2
-        with self._lock:
+        with self._helper_lock:
             if self._helper is None:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-cma-copy")
             helper = self._helper
@@ -354,13 +358,13 @@ class CmaTransport(Transport):
             return code, index
         return (second[0], half + second[1]) if second[0] else (0, 0)
 
-    def _close_engine(self) -> None:
+    def engine_close(self) -> None:
         self._revoke()
         if self._helper is not None:
             self._helper.shutdown(wait=False)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        state = "closed" if self.closed else f"{self.peer_count} peers"
         return f"<CmaTransport pid {os.getpid()} {state}>"
 
 

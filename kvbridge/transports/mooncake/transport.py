@@ -57,19 +57,12 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
+from kvbridge.core.batches import CHUNK_OK, AddrArray, Chunk, ChunkResult, TransferOp
+from kvbridge.core.contract import MemoryAccess, TransportLimits
 from kvbridge.core.environment import environment_overrides
 from kvbridge.core.errors import ChunkRefused, PeerError, RegistrationError, TransportError
-from kvbridge.core.transport import (
-    CHUNK_OK,
-    Chunk,
-    ChunkResult,
-    MemoryAccess,
-    MemoryKind,
-    MemoryRange,
-    TransferOp,
-    Transport,
-    TransportLimits,
-)
+from kvbridge.core.memory import MemoryKind, MemoryRange
+from kvbridge.core.transport import Transport
 from kvbridge.transports import listeners
 from kvbridge.transports.mooncake import batch_status
 
@@ -164,7 +157,7 @@ class MooncakeMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     protocol: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
-def _import_engine() -> Any:
+def engine_import() -> Any:
     """The engine class (``ImportError`` when the package is missing)."""
     from mooncake.engine import TransferEngine
 
@@ -279,7 +272,7 @@ class MooncakeTransport(Transport):
             raise ValueError(
                 f"max_in_flight ({max_in_flight}) must be at least max_batch ({max_batch})"
             )
-        engine_cls = self._load_engine()
+        engine_cls = self.load_engine()
         bound_stalls(self.timeout)
         self.protocol = protocol
         self._session = hostname
@@ -326,19 +319,19 @@ class MooncakeTransport(Transport):
         labels = {rpc_port: "RPC"} | {
             lst.port: "data" for lst in opened if lst.port != rpc_port and lst.protocol == "tcp"
         }
-        self._wide_listeners = listeners.report_wide(
+        self.wide_listeners = listeners.report_wide(
             "mooncake", host, opened, log, labels, UNBINDABLE
         )
         kinds = {MemoryKind.DRAM, *([MemoryKind.VRAM] if _engine_supports_vram() else [])}
-        self._open(TransportLimits(int(max_batch), int(max_in_flight), frozenset(kinds)))
+        self.open(TransportLimits(int(max_batch), int(max_in_flight), frozenset(kinds)))
 
     @classmethod
-    def _import_engine(cls) -> Any:
-        return _import_engine()
+    def engine_import(cls) -> Any:
+        return engine_import()
 
     @classmethod
-    def _unavailable_message(cls, err: ImportError) -> str:
-        msg = super()._unavailable_message(err)
+    def engine_unavailable_message(cls, err: ImportError) -> str:
+        msg = super().engine_unavailable_message(err)
         if "libibverbs" in str(err):
             msg += "; its engine.so also needs libibverbs: apt-get install -y libibverbs1"
         return msg
@@ -350,10 +343,10 @@ class MooncakeTransport(Transport):
 
     # -- memory -------------------------------------------------------------------------------
 
-    def _memory_hint(self) -> str:
+    def engine_memory_hint(self) -> str:
         return "; for GPU memory install mooncake-transfer-engine (the CUDA build)"
 
-    def _register_group(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
+    def engine_register(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
         location = _location(device)
         rc = self._engine.batch_register_memory(
             [r.addr for r in ranges], [r.size for r in ranges], location
@@ -365,7 +358,7 @@ class MooncakeTransport(Transport):
                 f"{_ENGINE_ERRORS.get(rc, self.log_hint)}"
             )
 
-    def _deregister_group(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
+    def engine_deregister(self, device: tuple[MemoryKind, int], ranges: list[MemoryRange]) -> None:
         rc = self._engine.batch_unregister_memory([r.addr for r in ranges])
         if rc != 0:
             raise RegistrationError(
@@ -375,10 +368,10 @@ class MooncakeTransport(Transport):
 
     # -- peers --------------------------------------------------------------------------------
 
-    def _engine_metadata(self) -> bytes:
+    def engine_metadata(self) -> bytes:
         return msgspec.msgpack.encode(MooncakeMetadata(self._session, self.protocol))
 
-    def _connect_engine(self, peer: str, payload: bytes, old: Any) -> str:
+    def engine_connect(self, peer: str, payload: bytes, old: Any) -> str:
         meta = self.decode_payload(peer, payload, MooncakeMetadata)
         if meta.protocol != self.protocol:
             raise PeerError(
@@ -387,13 +380,13 @@ class MooncakeTransport(Transport):
             )
         return old if old == meta.session else meta.session  # the state is the session
 
-    def _describe_peer(self, state: Any) -> str:
+    def engine_describe_peer(self, state: Any) -> str:
         return str(state)
 
-    def _lane_key(self, state: Any) -> str:
+    def engine_lane_key(self, state: Any) -> str:
         return str(state)  # peer names announcing one session share its lane
 
-    def _reach_peer(self, state: Any) -> str | None:
+    def engine_reach_peer(self, state: Any) -> str | None:
         # Blocks (up to ~60 s) on a frozen peer but, unlike the handshake inside the first
         # transfer, holds no engine-wide lock: other peers keep moving meanwhile.
         engine = self._engine
@@ -404,7 +397,12 @@ class MooncakeTransport(Transport):
 
     # -- transfers ----------------------------------------------------------------------------
 
-    def _start_chunk(self, state: Any, chunk: Chunk) -> tuple[Any, int]:
+    def engine_check_remote(
+        self, state: Any, remote: AddrArray, lengths: AddrArray, peer: str
+    ) -> None:
+        pass  # the peer's engine refuses a range outside its registrations (module docstring)
+
+    def engine_start_chunk(self, state: Any, chunk: Chunk) -> tuple[Any, int]:
         engine = self._engine  # the token keeps it: close() may drop ours while chunks run out
         if chunk.op is TransferOp.WRITE:
             submit, name = engine.batch_transfer_async_write, "batch_transfer_async_write"
@@ -417,7 +415,7 @@ class MooncakeTransport(Transport):
             raise ChunkRefused(f"{name} returned {batch_id}")
         return engine, batch_id
 
-    def _wait_chunk(self, chunk: Chunk) -> ChunkResult:
+    def engine_wait_chunk(self, chunk: Chunk) -> ChunkResult:
         engine, batch_id = chunk.token
         if self._status is not None:
             completed, why = self._status.wait(engine, batch_id, len(chunk.lengths))
@@ -430,9 +428,9 @@ class MooncakeTransport(Transport):
             False, f"get_batch_transfer_status returned {rc}", unproven=len(chunk.lengths) > 1
         )
 
-    def _close_engine(self) -> None:
+    def engine_close(self) -> None:
         self._engine = None  # chunks still in it hold it through their tokens
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        state = "closed" if self.closed else f"{self.peer_count} peers"
         return f"<MooncakeTransport {self.protocol} {self._session} {state}>"

@@ -55,22 +55,13 @@ from typing import Annotated, Any, ClassVar, NoReturn
 import msgspec
 import numpy as np
 
+from kvbridge.core.batches import CHUNK_OK, AddrArray, Chunk, ChunkResult, TransferOp
+from kvbridge.core.contract import MemoryAccess, TransportLimits
+from kvbridge.core.descriptors import device_holding
 from kvbridge.core.environment import environment_overrides
 from kvbridge.core.errors import PeerError, RegistrationError, TransferError, TransportError
-from kvbridge.core.memory import RegisteredRanges, by_device
-from kvbridge.core.transport import (
-    CHUNK_OK,
-    AddrArray,
-    Chunk,
-    ChunkResult,
-    MemoryAccess,
-    MemoryKind,
-    MemoryRange,
-    TransferOp,
-    Transport,
-    TransportLimits,
-    device_holding,
-)
+from kvbridge.core.memory import MemoryKind, MemoryRange, RegisteredRanges, by_device
+from kvbridge.core.transport import Transport
 from kvbridge.transports import listeners
 
 #: The exact command that installs the engine without dragging in torch and CUDA (about 6 GB).
@@ -365,7 +356,7 @@ class NixlTransport(Transport):
             backends = (backends,)
         if not backends:
             raise ValueError("backends must name at least one NIXL backend, e.g. ('UCX',)")
-        api = self._load_engine()
+        api = self.load_engine()
         self._errors: tuple[type[BaseException], ...] = _nixl_errors(api)
         self.agent_name = agent_name or f"kvbridge-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.backends = tuple(backends)
@@ -401,29 +392,29 @@ class NixlTransport(Transport):
         #: the agent's listening sockets (UCX's TCP interfaces), as the kernel reports them
         self.listeners = [lst for lst in listeners.listening_sockets() if lst.inode not in before]
         if host is not None:
-            self._wide_listeners = listeners.report_wide(
+            self.wide_listeners = listeners.report_wide(
                 "nixl", host, self.listeners, log, why="UCX uses more than the host's interface"
             )
-        self._open(TransportLimits(memory_kinds=frozenset(kinds)))
+        self.open(TransportLimits(memory_kinds=frozenset(kinds)))
         _LIVE.add(self)
 
     @classmethod
-    def _import_engine(cls) -> Any:
+    def engine_import(cls) -> Any:
         return _import_nixl()
 
     # -- memory -------------------------------------------------------------------------------
 
-    def _memory_hint(self) -> str:
+    def engine_memory_hint(self) -> str:
         return f" with backends {list(self.backends)}"
 
-    def _check_range(self, rng: MemoryRange) -> None:
+    def engine_check_range(self, rng: MemoryRange) -> None:
         if rng.kind is MemoryKind.VRAM and self.device_id not in (None, rng.device_id):
             raise RegistrationError(
                 f"cannot register {rng}: this transport was created for GPU memory of "
                 f"device {self.device_id}"
             )
 
-    def _register_group(self, device: _Device, ranges: list[MemoryRange]) -> None:
+    def engine_register(self, device: _Device, ranges: list[MemoryRange]) -> None:
         try:
             self._agent.register_memory(_reg_array(ranges, device), _SEG[device[0]])
         except self._errors as err:
@@ -432,7 +423,7 @@ class NixlTransport(Transport):
                 f"{_describe(err)}"
             ) from None
 
-    def _deregister_group(self, device: _Device, ranges: list[MemoryRange]) -> None:
+    def engine_deregister(self, device: _Device, ranges: list[MemoryRange]) -> None:
         try:
             descs = self._agent.get_reg_descs(_reg_array(ranges, device), _SEG[device[0]])
             self._agent.deregister_memory(descs)
@@ -444,13 +435,13 @@ class NixlTransport(Transport):
 
     # -- peers --------------------------------------------------------------------------------
 
-    def _engine_metadata(self) -> bytes:
+    def engine_metadata(self) -> bytes:
         """This agent's NIXL metadata and registered ranges; take it after ``register``."""
         blob = bytes(self._agent.get_agent_metadata())
         ranges = [(r.addr, r.size, *r.device) for r in self._ranges]
         return msgspec.msgpack.encode(NixlMetadata(self.agent_name, blob, ranges))
 
-    def _connect_engine(self, peer: str, payload: bytes, old: Any) -> _Peer:
+    def engine_connect(self, peer: str, payload: bytes, old: Any) -> _Peer:
         meta = self.decode_payload(peer, payload, NixlMetadata)
         try:
             entry = _Peer.from_metadata(meta)
@@ -496,17 +487,22 @@ class NixlTransport(Transport):
             self._agent.make_connection(entry.agent)
         return entry
 
-    def _disconnect_engine(self, peer: str, state: Any) -> None:
+    def engine_disconnect(self, peer: str, state: Any) -> None:
         if self._agent is not None and all(p.agent != state.agent for p in self._peers.values()):
             with suppress(*self._errors):
                 self._agent.remove_remote_agent(state.agent)
 
-    def _describe_peer(self, state: Any) -> str:
+    def engine_describe_peer(self, state: Any) -> str:
         return f"NIXL agent {state.agent!r}"
 
     # -- transfers ----------------------------------------------------------------------------
 
-    def _start_chunk(self, state: Any, chunk: Chunk) -> Any:
+    def engine_check_remote(
+        self, state: Any, remote: AddrArray, lengths: AddrArray, peer: str
+    ) -> None:
+        pass  # each chunk's remote side is found in the peer's registrations when it starts
+
+    def engine_start_chunk(self, state: Any, chunk: Chunk) -> Any:
         local = self.device_of(chunk.local, chunk.lengths, "local")
         remote = device_holding(
             state.devices,
@@ -552,7 +548,7 @@ class NixlTransport(Transport):
             )
         return TransferError(what)
 
-    def _check_chunk(self, chunk: Chunk) -> ChunkResult | None:
+    def engine_check_chunk(self, chunk: Chunk) -> ChunkResult | None:
         try:
             state = self._agent.check_xfer_state(chunk.token)
         except self._errors as err:
@@ -566,7 +562,7 @@ class NixlTransport(Transport):
             return ChunkResult(False, "NIXL reported ERR", unproven=True)
         return None
 
-    def _release_chunk(self, chunk: Chunk) -> bool:
+    def engine_release_chunk(self, chunk: Chunk) -> bool:
         return self._agent is None or self._release_xfer(chunk.token)
 
     def _release_xfer(self, xfer: Any) -> bool:
@@ -580,12 +576,12 @@ class NixlTransport(Transport):
 
     # -- life cycle ---------------------------------------------------------------------------
 
-    def _close_engine(self) -> None:
+    def engine_close(self) -> None:
         self._agent = None  # the last reference: NIXL destroys the agent and its backends
         _LIVE.discard(self)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        state = "closed" if self.closed else f"{self.peer_count} peers"
         return f"<NixlTransport {self.agent_name} {'+'.join(self.backends)} {state}>"
 
 

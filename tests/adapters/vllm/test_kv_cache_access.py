@@ -87,8 +87,9 @@ def test_every_core_flag_has_its_vllm_flag() -> None:
 
 @needs_kv_cache_access
 def test_a_plugin_that_declares_nothing_is_answered_registers() -> None:
-    class Undeclared(Transport):  # abstract: only its class is asked
-        name = "undeclared"
+    # Abstract and unnamed (a named class must write every engine hook): only its class is asked.
+    class Undeclared(Transport):
+        pass
 
     register_transport("undeclared", Undeclared)
     try:

@@ -35,15 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core.transport import (
-    Fence,
-    MemoryRange,
-    TransferHandle,
-    TransferOp,
-    TransferState,
-    TransferStatus,
-    Transport,
-)
+from kvbridge.core.batches import Fence, TransferHandle, TransferOp, TransferState, TransferStatus
+from kvbridge.core.memory import MemoryRange
+from kvbridge.core.transport import Transport
 
 #: The environment variable naming the fault directory in the engine's processes.
 ENV = "KVBRIDGE_TEST_FAULTS"
