@@ -1,6 +1,6 @@
 """Draw ``docs/bench-vllm-planning.png`` from a ``benchmarks/vllm_planning.py --output`` JSON.
 
-    .venv/bin/python benchmarks/chart_vllm_planning.py docs/bench-vllm-planning.json
+    .venv/bin/python benchmarks/chart_vllm_planning.py benchmarks/results/vllm-planning.json
 
 One panel per model shape and KV layout: planning time per request against prompt length, for
 kvbridge and vLLM's own Mooncake connector code, one line per block-id pattern (log scales;

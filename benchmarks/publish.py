@@ -1,10 +1,11 @@
 """Run the published benchmark and regenerate its charts and its results pages of the site.
 
-    .venv/bin/python benchmarks/publish.py                 # run, then write docs/
-    .venv/bin/python benchmarks/publish.py --from-json docs/bench-results.json   # redraw only
+    .venv/bin/python benchmarks/publish.py     # run, then write the charts and pages
+    .venv/bin/python benchmarks/publish.py --from-json benchmarks/results/kvbridge-bench.json
 
-``make bench-docs`` runs the first form. The run is ``kvbridge bench`` with ``BENCH_ARGS``; its
-JSON goes to ``docs/bench-results.json`` (with when and where it ran), the charts to
+``make bench-docs`` runs the first form; the second redraws from the saved run. The run is
+``kvbridge bench`` with ``BENCH_ARGS``; its JSON goes to ``benchmarks/results/kvbridge-bench.json``
+(with when and where it ran; raw data, not part of the site), the charts to
 ``docs/bench-planning.png`` and ``docs/bench-transfer.png``, and two pages of the site are
 written whole: ``docs/results/planning.md`` and ``docs/results/transfer.md`` (tables, targets,
 the exact command, the charts). Nothing else is touched; README.md never. Needs matplotlib (the
@@ -26,6 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
+#: The run's raw data: not part of the site.
+JSON_PATH = ROOT / "benchmarks" / "results" / "kvbridge-bench.json"
 #: The pages this script owns, generated whole: never edit them by hand.
 PLANNING_PAGE = RESULTS / "planning.md"
 TRANSFER_PAGE = RESULTS / "transfer.md"
@@ -248,8 +251,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from-json", type=Path, help="redraw from a results file, no run")
     args = parser.parse_args()
-    DOCS.mkdir(exist_ok=True)
-    results = DOCS / "bench-results.json"
+    results = JSON_PATH
+    results.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
         if args.from_json.resolve() != results.resolve():
