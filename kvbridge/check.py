@@ -424,36 +424,8 @@ class _Checker:
             if not isinstance(there, ProbeScratch) or there.size < size:
                 raise _fail("data path", f"unexpected answer {there!r}", "upgrade kvbridge")
             transport.connect(peer, about.handshake.metadata)
-            # the peer writes a fresh random pattern into our scratch
-            written = self._ask(client, Probe("write", 0, size))
-            assert isinstance(written, ProbeResult)
-            if hashlib.sha256(scratch.tobytes()).digest() != written.digest:
-                raise _fail(
-                    "data path",
-                    f"the {size:,} bytes the {self.peer_role} wrote here arrived different",
-                    fix,
-                )
-            # we write one into its scratch, and it digests what it holds
-            pattern = os.urandom(size)
-            scratch[:] = np.frombuffer(pattern, dtype=np.uint8)
-            one = np.array([addr], dtype=np.uint64)
-            handle = transport.submit(
-                TransferOp.WRITE,
-                peer,
-                one,
-                np.array([there.addr], dtype=np.uint64),
-                np.array([size], dtype=np.uint64),
-            )
-            transport.wait(handle, self.config.timeout)
-            held = self._ask(client, Probe("digest", 0, size))
-            assert isinstance(held, ProbeResult)
-            if held.digest != hashlib.sha256(pattern).digest():
-                raise _fail(
-                    "data path",
-                    f"the {size:,} bytes written into the {self.peer_role}'s scratch arrived "
-                    "different",
-                    fix,
-                )
+            self._peer_writes_here(client, scratch, size, fix)
+            self._write_there(transport, client, peer, scratch, there.addr, fix)
         except CheckFailed:
             raise
         except (KvbridgeError, AssertionError) as err:
@@ -472,6 +444,50 @@ class _Checker:
             f"{self.peer_role}, byte for byte, in {ms:.1f} ms (scratch memory, not the KV "
             f"cache){exposed}",
         )
+
+    def _peer_writes_here(
+        self, client: PeerClient, scratch: np.ndarray, size: int, fix: str
+    ) -> None:
+        """The peer writes a fresh random pattern into our scratch; check it arrived."""
+        written = self._ask(client, Probe("write", 0, size))
+        assert isinstance(written, ProbeResult)
+        if hashlib.sha256(scratch.tobytes()).digest() != written.digest:
+            raise _fail(
+                "data path",
+                f"the {size:,} bytes the {self.peer_role} wrote here arrived different",
+                fix,
+            )
+
+    def _write_there(
+        self,
+        transport: Transport,
+        client: PeerClient,
+        peer: str,
+        scratch: np.ndarray,
+        there: int,
+        fix: str,
+    ) -> None:
+        """We write a fresh random pattern into the peer's scratch at ``there``, and it
+        digests what it holds."""
+        size = scratch.size
+        pattern = os.urandom(size)
+        scratch[:] = np.frombuffer(pattern, dtype=np.uint8)
+        handle = transport.submit(
+            TransferOp.WRITE,
+            peer,
+            np.array([scratch.ctypes.data], dtype=np.uint64),
+            np.array([there], dtype=np.uint64),
+            np.array([size], dtype=np.uint64),
+        )
+        transport.wait(handle, self.config.timeout)
+        held = self._ask(client, Probe("digest", 0, size))
+        assert isinstance(held, ProbeResult)
+        if held.digest != hashlib.sha256(pattern).digest():
+            raise _fail(
+                "data path",
+                f"the {size:,} bytes written into the {self.peer_role}'s scratch arrived different",
+                fix,
+            )
 
 
 def run_check(config: CheckConfig, report: Callable[[Check], None] | None = None) -> list[Check]:

@@ -69,7 +69,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="keep only the first N layers of each model (quicker, smaller runs)",
     )
-    plan = p.add_argument_group("planning")
+    _add_planning_options(p.add_argument_group("planning"))
+    _add_transfer_options(p.add_argument_group("transfer"))
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the results as JSON, no tables")
+    out.add_argument("--output", type=Path, default=None, help="also write the JSON to a file")
+    out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _add_planning_options(plan: Any) -> None:
+    """The options of the planning benchmark."""
     plan.add_argument(
         "--tokens",
         type=int,
@@ -106,7 +117,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="time the slow reference planner on requests up to N tokens (default 1024; 0: never)",
     )
-    move = p.add_argument_group("transfer")
+
+
+def _add_transfer_options(move: Any) -> None:
+    """The options of the transfer benchmark."""
     move.add_argument(
         "--transports",
         nargs="+",
@@ -129,12 +143,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="timed repetitions of each way of moving it, after a verified warm-up (default 8)",
     )
     move.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
-    out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print the results as JSON, no tables")
-    out.add_argument("--output", type=Path, default=None, help="also write the JSON to a file")
-    out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
-    p.set_defaults(func=cmd_bench)
-    return p
 
 
 def machine_info() -> dict[str, Any]:

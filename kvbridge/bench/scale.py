@@ -360,71 +360,15 @@ def run_point(
     try:
         hub_planes = hub.call("start", hub_role, [(0, 0, 1)])
         crowd_planes = gather(crowd, "start", [(crowd_role, c) for c in chunks])
-        before = gather(crowd, "usage", [()] * len(crowd))
-        hub_start = hub.call("usage")
-        # Handshakes: D ranks with their P ranks, all at once.
-        t0 = time.monotonic()
-        if direction == "fan-out":
-            gather(crowd, "handshake", [([hub_planes[0]["endpoint"]],)] * len(crowd))
-        else:
-            endpoints = [p["endpoint"] for planes in crowd_planes for p in planes]
-            hub.call("handshake", endpoints)
-        handshake_s = time.monotonic() - t0
-        hub_connected = hub.call("usage")
-        # P opens its side channel to each D that handshook in the background: wait for it.
-        settle = time.monotonic() + 10
-        while hub_connected["side_channels"] < peers and time.monotonic() < settle:
-            time.sleep(0.1)
-            hub_connected = hub.call("usage")
-        after = gather(crowd, "usage", [()] * len(crowd))
-        crowd_per_plane = {
-            key: sum(a[key] - b[key] for a, b in zip(after, before, strict=True)) / peers
-            for key in ("threads", "fds", "sockets", "rss_mib")
-        }
-        point = Point(
-            direction,
-            peers,
-            tp,
-            handshake_s,
-            hub_start,
-            hub_connected,
-            crowd_per_plane,
-            0,
-            0,
-            [],
-            hub_cpu_per_handshake_ms=1e3
-            * (hub_connected["cpu_s"] - hub_start["cpu_s"])
-            / max(1, peers),
-        )
+        point = _handshake_all(hub, crowd, direction, peers, tp, hub_planes, crowd_planes)
         # One request per D rank (fan-out), or one per P instance read by the hub (fan-in):
         # every byte checked.
         counter = iter(range(1 << 30))
         first = peers if direction == "fan-out" else peers // tp
         _one_wave(point, hub, crowd, chunks, direction, tp, first, counter, check=True)
         for target in in_flight:
-            usage0 = hub.call("usage")
-            start = time.monotonic()
-            got: dict[str, list[float]] = {"own_s": [], "queued_s": [], "transfer_s": []}
-            done = 0
-            for _ in range(max(rounds, -(-min_requests // target))):
-                wave = _one_wave(point, hub, crowd, chunks, direction, tp, target, counter, False)
-                for key, values in got.items():
-                    values += wave[key]
-                done += target
-            wall = time.monotonic() - start
-            usage1 = hub.call("usage")
-            point.load.append(
-                {
-                    "in_flight": target,
-                    "requests": done,
-                    "per_s": done / wall,
-                    "hub_cpu_ms": 1e3 * (usage1["cpu_s"] - usage0["cpu_s"]) / done,
-                    "own_p50_ms": 1e3 * _percentile(got["own_s"], 50),
-                    "own_p99_ms": 1e3 * _percentile(got["own_s"], 99),
-                    "transfer_p50_ms": 1e3 * _percentile(got["transfer_s"], 50),
-                    "queued_p99_ms": 1e3 * _percentile(got["queued_s"], 99),
-                }
-            )
+            waves = max(rounds, -(-min_requests // target))
+            point.load.append(_load_row(point, hub, crowd, chunks, target, waves, counter))
         if leave:
             # Half the peers go away; the hub releases what it held for them once quiet.
             leaving = [len(c) // 2 for c in chunks]
@@ -439,6 +383,88 @@ def run_point(
         hub.stop()
         for proc in crowd:
             proc.stop()
+
+
+def _handshake_all(
+    hub: WorkerProcess,
+    crowd: Sequence[WorkerProcess],
+    direction: str,
+    peers: int,
+    tp: int,
+    hub_planes: Any,
+    crowd_planes: Any,
+) -> Point:
+    """D ranks handshake with their P ranks, all at once: the point's handshake figures."""
+    before = gather(crowd, "usage", [()] * len(crowd))
+    hub_start = hub.call("usage")
+    t0 = time.monotonic()
+    if direction == "fan-out":
+        gather(crowd, "handshake", [([hub_planes[0]["endpoint"]],)] * len(crowd))
+    else:
+        endpoints = [p["endpoint"] for planes in crowd_planes for p in planes]
+        hub.call("handshake", endpoints)
+    handshake_s = time.monotonic() - t0
+    hub_connected = hub.call("usage")
+    # P opens its side channel to each D that handshook in the background: wait for it.
+    settle = time.monotonic() + 10
+    while hub_connected["side_channels"] < peers and time.monotonic() < settle:
+        time.sleep(0.1)
+        hub_connected = hub.call("usage")
+    after = gather(crowd, "usage", [()] * len(crowd))
+    crowd_per_plane = {
+        key: sum(a[key] - b[key] for a, b in zip(after, before, strict=True)) / peers
+        for key in ("threads", "fds", "sockets", "rss_mib")
+    }
+    return Point(
+        direction,
+        peers,
+        tp,
+        handshake_s,
+        hub_start,
+        hub_connected,
+        crowd_per_plane,
+        0,
+        0,
+        [],
+        hub_cpu_per_handshake_ms=1e3
+        * (hub_connected["cpu_s"] - hub_start["cpu_s"])
+        / max(1, peers),
+    )
+
+
+def _load_row(
+    point: Point,
+    hub: WorkerProcess,
+    crowd: Sequence[WorkerProcess],
+    chunks: Sequence[Sequence[tuple[int, int, int]]],
+    target: int,
+    waves: int,
+    counter: Any,
+) -> dict[str, float]:
+    """``waves`` waves of ``target`` requests in flight: throughput, the hub's CPU, latencies."""
+    usage0 = hub.call("usage")
+    start = time.monotonic()
+    got: dict[str, list[float]] = {"own_s": [], "queued_s": [], "transfer_s": []}
+    done = 0
+    for _ in range(waves):
+        wave = _one_wave(
+            point, hub, crowd, chunks, point.direction, point.tp, target, counter, False
+        )
+        for key, values in got.items():
+            values += wave[key]
+        done += target
+    wall = time.monotonic() - start
+    usage1 = hub.call("usage")
+    return {
+        "in_flight": target,
+        "requests": done,
+        "per_s": done / wall,
+        "hub_cpu_ms": 1e3 * (usage1["cpu_s"] - usage0["cpu_s"]) / done,
+        "own_p50_ms": 1e3 * _percentile(got["own_s"], 50),
+        "own_p99_ms": 1e3 * _percentile(got["own_s"], 99),
+        "transfer_p50_ms": 1e3 * _percentile(got["transfer_s"], 50),
+        "queued_p99_ms": 1e3 * _percentile(got["queued_s"], 99),
+    }
 
 
 def _one_wave(

@@ -330,21 +330,7 @@ def _summary(
     kv = samples.get("kvbridge", [])
     gbps["kvbridge_transfer"] = _median([nbytes / s["transfer_seconds"] / 1e9 for s in kv])
 
-    def per_rep(fast: str, slow: str) -> list[float]:
-        # Throughput of ``slow`` over ``fast`` within each repetition: time(fast)/time(slow).
-        if fast not in seconds or slow not in seconds:
-            return []
-        return [f / s for f, s in zip(seconds[fast], seconds[slow], strict=True)]
-
-    pairs = {
-        "kvbridge/raw": ("raw", "kvbridge"),
-        "transport/raw": ("raw", "transport"),
-        "raw/memcpy": ("memcpy", "raw"),
-        "verify-sample/kvbridge": ("kvbridge", "verify-sample"),
-        "verify-full/kvbridge": ("kvbridge", "verify-full"),
-    }
-    reps = {key: per_rep(fast, slow) for key, (fast, slow) in pairs.items()}
-
+    reps = _per_rep_ratios(seconds)
     return {
         "transport": transport,
         "case": case.name,
@@ -354,21 +340,7 @@ def _summary(
         **info,
         "reps": len(seconds.get("kvbridge", [])),
         "seconds": seconds,
-        "plan_ms": _median([s["plan_seconds"] * 1e3 for s in kv]),
-        # The same plan made again at once, with the CPU caches warm.
-        "plan_warm_ms": _median([s["plan_warm_seconds"] * 1e3 for s in kv]),
-        # kvbridge's own cost per request: everything beyond the engine's transfer (planning,
-        # the round trip to P, which runs while D plans, and hand-offs between threads).
-        "own_ms": _median([(s["seconds"] - s["transfer_seconds"]) * 1e3 for s in kv]),
-        # What the control plane adds beyond planning and the transfer: the pull start round
-        # trip where it outlasts planning, and the hand-offs between threads and processes.
-        "control_ms": _median(
-            [(s["seconds"] - s["transfer_seconds"] - s["plan_seconds"]) * 1e3 for s in kv]
-        ),
-        # Of the own cost: the wait for a plane worker, and D's claim from its send until P's
-        # answer was read (sent before planning, read after it: it holds the planning).
-        "queued_ms": _median([s["queued_seconds"] * 1e3 for s in kv]),
-        "ask_ms": _median([s["ask_seconds"] * 1e3 for s in kv]),
+        **_own_costs(kv),
         "gbps": gbps,
         "ratios": {key: _median(values) for key, values in reps.items()},
         # The spread of each ratio over the repetitions, [min, max]: a ratio whose range holds
@@ -395,6 +367,47 @@ class TransferSettings:
     num_layers: int | None
     timeout: float
     seed: int = 0
+
+
+#: Per-repetition ratios of the summary: name -> (the faster way, the slower way).
+_RATIOS = {
+    "kvbridge/raw": ("raw", "kvbridge"),
+    "transport/raw": ("raw", "transport"),
+    "raw/memcpy": ("memcpy", "raw"),
+    "verify-sample/kvbridge": ("kvbridge", "verify-sample"),
+    "verify-full/kvbridge": ("kvbridge", "verify-full"),
+}
+
+
+def _per_rep_ratios(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each repetition's throughput of the slower way over the faster: time(fast)/time(slow)."""
+    return {
+        key: [f / s for f, s in zip(seconds[fast], seconds[slow], strict=True)]
+        if fast in seconds and slow in seconds
+        else []
+        for key, (fast, slow) in _RATIOS.items()
+    }
+
+
+def _own_costs(kv: list[dict[str, float]]) -> dict[str, float | None]:
+    """Medians of what kvbridge itself costs per request, in ms."""
+    return {
+        "plan_ms": _median([s["plan_seconds"] * 1e3 for s in kv]),
+        # The same plan made again at once, with the CPU caches warm.
+        "plan_warm_ms": _median([s["plan_warm_seconds"] * 1e3 for s in kv]),
+        # kvbridge's own cost per request: everything beyond the engine's transfer (planning,
+        # the round trip to P, which runs while D plans, and hand-offs between threads).
+        "own_ms": _median([(s["seconds"] - s["transfer_seconds"]) * 1e3 for s in kv]),
+        # What the control plane adds beyond planning and the transfer: the pull start round
+        # trip where it outlasts planning, and the hand-offs between threads and processes.
+        "control_ms": _median(
+            [(s["seconds"] - s["transfer_seconds"] - s["plan_seconds"]) * 1e3 for s in kv]
+        ),
+        # Of the own cost: the wait for a plane worker, and D's claim from its send until P's
+        # answer was read (sent before planning, read after it: it holds the planning).
+        "queued_ms": _median([s["queued_seconds"] * 1e3 for s in kv]),
+        "ask_ms": _median([s["ask_seconds"] * 1e3 for s in kv]),
+    }
 
 
 def transfer_steps(settings: TransferSettings, modes: int = len(MODES)) -> int:

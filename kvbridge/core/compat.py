@@ -61,26 +61,8 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
         return layout_differences(*staged, names)
     planned = received_pair(a, b)
     if planned != (a, b):  # transposed on receive: what must agree is the pair as planned
-        sizes = [
-            f"group {i} block size: {names[0]}={a.groups[i].block_size}/"
-            f"{a.groups[i].kernel_size} {names[1]}={b.groups[i].block_size}/"
-            f"{b.groups[i].kernel_size} (logical/kernel), and the blocks are transposed on "
-            "receive (one side keeps each token's heads together), which works block by block: "
-            "use one block size on both sides, or head-major layouts on both"
-            for i in sorted(set(a.groups) & set(b.groups))
-            if (a.groups[i].block_size, a.groups[i].kernel_size)
-            != (b.groups[i].block_size, b.groups[i].kernel_size)
-            and a.groups[i].kind.paged
-        ]
-        return sizes + layout_differences(*planned, names)
-    na, nb = names
-    diffs: list[str] = []
-
-    def differ(what: str, va: object, vb: object) -> None:
-        if va != vb:
-            diffs.append(f"{what}: {na}={va!r} {nb}={vb!r}")
-
-    differ("dtype", a.spec.dtype, b.spec.dtype)
+        return _transposed_block_sizes(a, b, names) + layout_differences(*planned, names)
+    diffs = _differs("dtype", a.spec.dtype, b.spec.dtype, names)
     # Layouts that say which slice each tensor holds may differ in TP size, or in where a head
     # sits in a block: the unit planner (``kvbridge.core.tp``) moves slices; what must agree is
     # what a unit of each axis is.
@@ -96,72 +78,108 @@ def layout_differences(a: Layout, b: Layout, names: tuple[str, str] = ("P", "D")
     if heterogeneous:
         diffs.extend(_shard_differences(a, b, names))
     else:
-        differ("tp_size", a.spec.tp_size, b.spec.tp_size)
+        diffs.extend(_differs("tp_size", a.spec.tp_size, b.spec.tp_size, names))
     if a.spec.block_format != b.spec.block_format and not heads_only:
-        fa, fb = unit_format(a.spec.block_format), unit_format(b.spec.block_format)
-        if fa == fb:  # head order only, but a side does not say which heads its tensors hold
-            why = (
-                "the blocks hold the same heads in another order, and a side's attention "
-                "tensors do not say which KV heads they hold (shards); pass the model's KV head "
-                "count to the layout (vLLM: total_num_kv_heads) or use one layout on both"
-            )
-        elif is_token_major(a) != is_token_major(b):
-            why = (
-                "one side keeps each token's heads together, the other each head's tokens: "
-                "kvbridge transposes such blocks on receive only between equal TP sizes, and "
-                "only where a side's tensors say which KV heads they hold (shards), since a "
-                "head slice of a token-major block is one run per token; use head-major layouts "
-                "on both sides (vLLM's LBHNC, BLHNC, LHBNC, BHLNC) to move between different "
-                "TP sizes"
-            )
-        else:
-            why = (
-                "a block's bytes mean different things on the two sides; configure the same KV "
-                "cache layout and attention backend on both"
-            )
-        diffs.append(
-            f"block format: {na}={a.spec.block_format!r}{_engine(a)} "
-            f"{nb}={b.spec.block_format!r}{_engine(b)} ({why})"
-        )
+        diffs.append(_format_difference(a, b, names))
         return diffs  # every region would differ too: the format says it once
-    differ("group indices", sorted(a.groups), sorted(b.groups))
+    diffs.extend(_differs("group indices", sorted(a.groups), sorted(b.groups), names))
     for index in sorted(set(a.groups) & set(b.groups)):
-        ga, gb = a.groups[index], b.groups[index]
-        differ(f"group {index} kind", ga.kind.value, gb.kind.value)
-        if GroupKind.SLIDING_WINDOW in (ga.kind, gb.kind):
-            # a window's clipped lists pair by block: only between equal block sizes
-            differ(f"group {index} block_size", ga.block_size, gb.block_size)
-            differ(f"group {index} sliding_window", ga.sliding_window, gb.sliding_window)
-        ra = {r.key: r for r in a.group_regions[index].regions}
-        rb = {r.key: r for r in b.group_regions[index].regions}
-        only_a, only_b = sorted(set(ra) - set(rb)), sorted(set(rb) - set(ra))
-        if (only_a or only_b) and not heterogeneous:  # per-head regions differ across TP
+        diffs.extend(_group_differences(a, b, index, names, heterogeneous))
+    return diffs
+
+
+def _differs(what: str, va: object, vb: object, names: tuple[str, str]) -> list[str]:
+    """``[what: P=va D=vb]`` when the two differ, else nothing."""
+    return [f"{what}: {names[0]}={va!r} {names[1]}={vb!r}"] if va != vb else []
+
+
+def _transposed_block_sizes(a: Layout, b: Layout, names: tuple[str, str]) -> list[str]:
+    """Paged groups of different block sizes between a pair transposed on receive."""
+    return [
+        f"group {i} block size: {names[0]}={a.groups[i].block_size}/"
+        f"{a.groups[i].kernel_size} {names[1]}={b.groups[i].block_size}/"
+        f"{b.groups[i].kernel_size} (logical/kernel), and the blocks are transposed on "
+        "receive (one side keeps each token's heads together), which works block by block: "
+        "use one block size on both sides, or head-major layouts on both"
+        for i in sorted(set(a.groups) & set(b.groups))
+        if (a.groups[i].block_size, a.groups[i].kernel_size)
+        != (b.groups[i].block_size, b.groups[i].kernel_size)
+        and a.groups[i].kind.paged
+    ]
+
+
+def _format_difference(a: Layout, b: Layout, names: tuple[str, str]) -> str:
+    """Why two block formats cannot exchange blocks, one line."""
+    fa, fb = unit_format(a.spec.block_format), unit_format(b.spec.block_format)
+    if fa == fb:  # head order only, but a side does not say which heads its tensors hold
+        why = (
+            "the blocks hold the same heads in another order, and a side's attention "
+            "tensors do not say which KV heads they hold (shards); pass the model's KV head "
+            "count to the layout (vLLM: total_num_kv_heads) or use one layout on both"
+        )
+    elif is_token_major(a) != is_token_major(b):
+        why = (
+            "one side keeps each token's heads together, the other each head's tokens: "
+            "kvbridge transposes such blocks on receive only between equal TP sizes, and "
+            "only where a side's tensors say which KV heads they hold (shards), since a "
+            "head slice of a token-major block is one run per token; use head-major layouts "
+            "on both sides (vLLM's LBHNC, BLHNC, LHBNC, BHLNC) to move between different "
+            "TP sizes"
+        )
+    else:
+        why = (
+            "a block's bytes mean different things on the two sides; configure the same KV "
+            "cache layout and attention backend on both"
+        )
+    na, nb = names
+    return (
+        f"block format: {na}={a.spec.block_format!r}{_engine(a)} "
+        f"{nb}={b.spec.block_format!r}{_engine(b)} ({why})"
+    )
+
+
+def _group_differences(
+    a: Layout, b: Layout, index: int, names: tuple[str, str], heterogeneous: bool
+) -> list[str]:
+    """What differs in one cache group both layouts hold."""
+    na, nb = names
+    ga, gb = a.groups[index], b.groups[index]
+    diffs = _differs(f"group {index} kind", ga.kind.value, gb.kind.value, names)
+    if GroupKind.SLIDING_WINDOW in (ga.kind, gb.kind):
+        # a window's clipped lists pair by block: only between equal block sizes
+        diffs += _differs(f"group {index} block_size", ga.block_size, gb.block_size, names)
+        diffs += _differs(
+            f"group {index} sliding_window", ga.sliding_window, gb.sliding_window, names
+        )
+    if heterogeneous:  # per-head regions differ across TP: the shards were compared
+        return diffs
+    ra = {r.key: r for r in a.group_regions[index].regions}
+    rb = {r.key: r for r in b.group_regions[index].regions}
+    only_a, only_b = sorted(set(ra) - set(rb)), sorted(set(rb) - set(ra))
+    if only_a or only_b:
+        diffs.append(
+            f"group {index} regions: only on {na}: {_names(only_a)}, only on {nb}: {_names(only_b)}"
+        )
+    both = sorted(set(ra) & set(rb))
+    unit = "token" if ga.kind.paged else "state slot"
+    for key in both:
+        diffs += _differs(
+            f"group {index} region {_fmt(key)} bytes per {unit}",
+            _bytes_per_unit(ra[key], ga),
+            _bytes_per_unit(rb[key], gb),
+            names,
+        )
+    if ga.kind.paged and ga.kernel_size != gb.kernel_size:
+        # Different kernel blocks are split into token units: only right where every region
+        # lists tokens in order.
+        scattered = [k for k in both if not (ra[k].token_major and rb[k].token_major)]
+        if scattered:
             diffs.append(
-                f"group {index} regions: only on {na}: {_names(only_a)}, "
-                f"only on {nb}: {_names(only_b)}"
+                f"group {index} kernel block size: {na}={ga.kernel_size} "
+                f"{nb}={gb.kernel_size}, and its blocks do not hold tokens in order "
+                f"({_names(scattered)}), so they only move between equal kernel block "
+                "sizes (use the same attention backend and block size on both sides)"
             )
-        for key in sorted(set(ra) & set(rb)) if not heterogeneous else ():
-            differ(
-                f"group {index} region {_fmt(key)} bytes per "
-                + ("token" if ga.kind.paged else "state slot"),
-                _bytes_per_unit(ra[key], ga),
-                _bytes_per_unit(rb[key], gb),
-            )
-        if ga.kind.paged and ga.kernel_size != gb.kernel_size and not heterogeneous:
-            # Different kernel blocks are split into token units: only right where every
-            # region lists tokens in order.
-            scattered = [
-                key
-                for key in sorted(set(ra) & set(rb))
-                if not (ra[key].token_major and rb[key].token_major)
-            ]
-            if scattered:
-                diffs.append(
-                    f"group {index} kernel block size: {na}={ga.kernel_size} "
-                    f"{nb}={gb.kernel_size}, and its blocks do not hold tokens in order "
-                    f"({_names(scattered)}), so they only move between equal kernel block "
-                    "sizes (use the same attention backend and block size on both sides)"
-                )
     return diffs
 
 

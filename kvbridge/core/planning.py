@@ -763,6 +763,21 @@ def plan_transfers(
         dst_block_ids = only_groups(dst_block_ids, [g for g in dst_block_ids if g in shared])
     src = src if planned.src is None else planned.src
     dst = dst if planned.dst is None else planned.dst
+    pairs = _group_pairs(src, dst, src_block_ids, dst_block_ids, dst_first_token)
+    plan, extents = _plan_group_pairs(pairs, merge, by_layer)
+    if check and plan.count > 1 and not (extents is not None and _disjoint_extents(extents)):
+        _check_disjoint(plan.dst, plan.lengths, "destination")
+    return plan
+
+
+def _group_pairs(
+    src: Layout,
+    dst: Layout,
+    src_block_ids: GroupBlockIds,
+    dst_block_ids: GroupBlockIds,
+    dst_first_token: int | None,
+) -> list[_GroupPair]:
+    """Each group's regions on both sides with the block ids that pair (``plan_transfers``)."""
     missing = set(src_block_ids) ^ set(dst_block_ids)
     if missing:
         raise BlockIdError(
@@ -772,7 +787,6 @@ def plan_transfers(
     unknown = set(dst_block_ids) - set(dst.groups)
     if unknown:
         raise BlockIdError(f"block ids name group(s) {sorted(unknown)}, which the layout lacks")
-
     pairs: list[_GroupPair] = []
     for index in sorted(dst_block_ids):
         sg, dg = src.group_regions[index], dst.group_regions[index]
@@ -785,22 +799,26 @@ def plan_transfers(
         else:
             s_ids, d_ids = pair_block_ids(sg.group, dg.group, s_given, d_given)
         pairs.append((sg, dg, s_ids, d_ids, span))
+    return pairs
+
+
+def _plan_group_pairs(
+    pairs: list[_GroupPair], merge: bool, by_layer: bool
+) -> tuple[TransferPlan, IdArray | None]:
+    """The plan of the paired groups, with its destination extents when known."""
     if by_layer:
-        plan, extents = _plan_layered(pairs, merge)
-    else:
-        plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)
-        if (
-            merge
-            and not disjoint
-            and plan.count > 1
-            and bool(np.any(plan.src[:-1] + plan.lengths[:-1] > plan.src[1:]))
-        ):
-            # Sources that overlap (two groups reading the same block) make the result depend
-            # on the order runs are merged in: redo it in plain emission order, as defined.
-            plan, extents, _ = _plan_pairs(pairs, merge, sort_runs=False)
-    if check and plan.count > 1 and not (extents is not None and _disjoint_extents(extents)):
-        _check_disjoint(plan.dst, plan.lengths, "destination")
-    return plan
+        return _plan_layered(pairs, merge)
+    plan, extents, disjoint = _plan_pairs(pairs, merge, sort_runs=merge)
+    if (
+        merge
+        and not disjoint
+        and plan.count > 1
+        and bool(np.any(plan.src[:-1] + plan.lengths[:-1] > plan.src[1:]))
+    ):
+        # Sources that overlap (two groups reading the same block) make the result depend on
+        # the order runs are merged in: redo it in plain emission order, as defined.
+        plan, extents, _ = _plan_pairs(pairs, merge, sort_runs=False)
+    return plan, extents
 
 
 def _writable(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -37,7 +37,7 @@ from kvbridge.core.compat import (
 )
 from kvbridge.core.errors import LayoutError, LayoutMismatchError
 from kvbridge.core.groups import CacheGroup
-from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, expand_tensor
+from kvbridge.core.layout import CacheTensor, KVLayout, Layout, LayoutSpec, Shard, expand_tensor
 from kvbridge.core.memo import PairMemo
 from kvbridge.core.stages import stage_pair
 from kvbridge.core.transpose import is_token_major, received_pair
@@ -186,6 +186,97 @@ def _sources_of(
     return [t for t in by_layer.get(dt.layer_name, []) if axes & {s.axis for s in t.shards or ()}]
 
 
+@dataclass
+class _Pieces:
+    """What moves between one source and one destination rank, found tensor pair by pair: the
+    pieces of each side (same order, same meaning), the units per tensor axis, the groups."""
+
+    same_rank: bool  # the two ranks' TP rank is equal
+    s: list[CacheTensor] = field(default_factory=list)
+    d: list[CacheTensor] = field(default_factory=list)
+    units: dict[UnitKey, list[tuple[int, int]]] = field(default_factory=dict)
+    groups: set[int] = field(default_factory=set)
+    diffs: list[str] = field(default_factory=list)
+
+    def add(self, st: CacheTensor, dt: CacheTensor, sg: CacheGroup, dg: CacheGroup) -> None:
+        """The pieces of destination tensor ``dt`` that source tensor ``st`` holds."""
+        if not dt.shards or not st.shards:
+            if dt.shards or st.shards:
+                self.diffs.append(f"{_where(dt)}: shards on one side only")
+            elif self.same_rank:  # equal TP sizes (checked)
+                self.s.append(_piece(st, sg, 0, st.block_bytes, st.tensor))
+                self.d.append(_piece(dt, dg, 0, dt.block_bytes, dt.tensor))
+                self.units[(dt.layer_name, dt.tensor, "")] = [(0, 1)]
+                self.groups.add(dt.group_index)
+            return
+        p_axes = {s.axis: s for s in st.shards}
+        for ds in dt.shards:
+            ps = p_axes.get(ds.axis)
+            if (
+                ps is None
+                or shard_unit_bytes(ps.unit_bytes, sg) != shard_unit_bytes(ds.unit_bytes, dg)
+                or ps.rows != ds.rows
+            ):
+                self.diffs.append(
+                    f"{_where(dt)} axis {ds.axis!r}: source "
+                    + (f"unit_bytes={ps.unit_bytes} rows={ps.rows}" if ps else "lacks it")
+                    + f", destination unit_bytes={ds.unit_bytes} rows={ds.rows}"
+                )
+                continue
+            if ps.replica != ds.replica * ps.replicas // ds.replicas:
+                continue  # another replica of these units serves this destination rank
+            a, b = max(ds.start, ps.start), min(ds.end, ps.end)
+            if a >= b:
+                continue
+            if dg.kind.paged and ds.rows > 1:
+                raise LayoutError(
+                    f"{_where(dt)}: the units of axis {ds.axis!r} lie in {ds.rows} rows of "
+                    "each block (heads interleaved per token), so a slice of them is one "
+                    "run per token; configure a head-major KV cache layout on both sides "
+                    "(vLLM's LBHNC or LHBNC) to move caches between different TP sizes"
+                )
+            self._add_units(st, dt, ps, ds, sg, dg, (a, b))
+
+    def _add_units(
+        self,
+        st: CacheTensor,
+        dt: CacheTensor,
+        ps: Shard,
+        ds: Shard,
+        sg: CacheGroup,
+        dg: CacheGroup,
+        span: tuple[int, int],
+    ) -> None:
+        """Units ``span`` of one shard axis, both sides holding them, as pieces."""
+        a, b = span
+        # Different kernel block sizes split blocks into tokens: a slice must then list its
+        # tokens in order, which a unit does when its shard says so (a head of [H, N, C]).
+        split = dg.kind.paged and sg.kernel_size != dg.kernel_size
+        by_unit = split and ds.token_major and ps.token_major
+        packed = ds.stride == ds.unit_bytes and ps.stride == ps.unit_bytes and not by_unit
+        runs = [(a, b)] if packed else [(u, u + 1) for u in range(a, b)]
+        self.units.setdefault((dt.layer_name, dt.tensor, ds.axis), []).append((a, b))
+        self.groups.add(dt.group_index)
+        for row in range(ds.rows):
+            for u0, u1 in runs:
+                name = f"{dt.tensor}|{ds.axis}[{u0}:{u1}]" + (f"@{row}" if ds.rows > 1 else "")
+                # each side's own bytes per block (block sizes may differ)
+                s_len, d_len = (u1 - u0) * ps.unit_bytes, (u1 - u0) * ds.unit_bytes
+                s_off = ps.offset + (u0 - ps.start) * ps.stride + row * ps.row_stride
+                d_off = ds.offset + (u0 - ds.start) * ds.stride + row * ds.row_stride
+                whole = s_off == d_off == 0 and s_len == st.block_bytes and d_len == dt.block_bytes
+                if split and not (whole or by_unit):
+                    raise LayoutError(
+                        f"{_where(dt)} axis {ds.axis!r}: kernel block size source="
+                        f"{sg.kernel_size} destination={dg.kernel_size}, and its units do "
+                        "not list their tokens in order (Shard.token_major), so a slice of "
+                        "a block's units moves only between equal kernel block sizes (use "
+                        "the same attention backend and block size on both sides)"
+                    )
+                self.s.append(_piece(st, sg, s_off, s_len, name, by_unit))
+                self.d.append(_piece(dt, dg, d_off, d_len, name, by_unit))
+
+
 def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
     given = (src, dst)
     staged = stage_pair(src, dst)  # pipeline stages move the layers both hold
@@ -209,95 +300,25 @@ def _build_pair(src: Layout, dst: Layout) -> TPPair | None:
     by_layer: dict[str, list[CacheTensor]] = {}
     for t in src.spec.tensors:
         by_layer.setdefault(t.layer_name, []).append(t)
-    s_pieces: list[CacheTensor] = []
-    d_pieces: list[CacheTensor] = []
-    units: dict[UnitKey, list[tuple[int, int]]] = {}
-    groups: set[int] = set()
-    diffs: list[str] = []
-    pairs = [
-        (d, s)
-        for d in dst.spec.tensors
-        for s in _sources_of(d, by_key, by_layer)
-        if d.group_index in src.groups
-    ]  # no unit of a tensor without a source here: the coverage check names it
-    for dt, st in pairs:
-        sg, dg = src.groups[dt.group_index], dst.groups[dt.group_index]
-        if not dt.shards or not st.shards:
-            if dt.shards or st.shards:
-                diffs.append(f"{_where(dt)}: shards on one side only")
-            elif src.spec.tp_rank == dst.spec.tp_rank:  # equal TP sizes (checked)
-                s_pieces.append(_piece(st, sg, 0, st.block_bytes, st.tensor))
-                d_pieces.append(_piece(dt, dg, 0, dt.block_bytes, dt.tensor))
-                units[(dt.layer_name, dt.tensor, "")] = [(0, 1)]
-                groups.add(dt.group_index)
-            continue
-        # Different kernel block sizes split blocks into tokens: a slice must then list its
-        # tokens in order, which a unit does when its shard says so (a head of [H, N, C]).
-        split = dg.kind.paged and sg.kernel_size != dg.kernel_size
-        p_axes = {s.axis: s for s in st.shards}
-        for ds in dt.shards:
-            ps = p_axes.get(ds.axis)
-            if (
-                ps is None
-                or shard_unit_bytes(ps.unit_bytes, sg) != shard_unit_bytes(ds.unit_bytes, dg)
-                or ps.rows != ds.rows
-            ):
-                diffs.append(
-                    f"{_where(dt)} axis {ds.axis!r}: source "
-                    + (f"unit_bytes={ps.unit_bytes} rows={ps.rows}" if ps else "lacks it")
-                    + f", destination unit_bytes={ds.unit_bytes} rows={ds.rows}"
-                )
-                continue
-            if ps.replica != ds.replica * ps.replicas // ds.replicas:
-                continue  # another replica of these units serves this destination rank
-            a, b = max(ds.start, ps.start), min(ds.end, ps.end)
-            if a >= b:
-                continue
-            if dg.kind.paged and ds.rows > 1:
-                raise LayoutError(
-                    f"{_where(dt)}: the units of axis {ds.axis!r} lie in {ds.rows} rows of "
-                    "each block (heads interleaved per token), so a slice of them is one "
-                    "run per token; configure a head-major KV cache layout on both sides "
-                    "(vLLM's LBHNC or LHBNC) to move caches between different TP sizes"
-                )
-            by_unit = split and ds.token_major and ps.token_major
-            packed = ds.stride == ds.unit_bytes and ps.stride == ps.unit_bytes and not by_unit
-            runs = [(a, b)] if packed else [(u, u + 1) for u in range(a, b)]
-            units.setdefault((dt.layer_name, dt.tensor, ds.axis), []).append((a, b))
-            groups.add(dt.group_index)
-            for row in range(ds.rows):
-                for u0, u1 in runs:
-                    name = f"{dt.tensor}|{ds.axis}[{u0}:{u1}]" + (f"@{row}" if ds.rows > 1 else "")
-                    # each side's own bytes per block (block sizes may differ)
-                    s_len, d_len = (u1 - u0) * ps.unit_bytes, (u1 - u0) * ds.unit_bytes
-                    s_off = ps.offset + (u0 - ps.start) * ps.stride + row * ps.row_stride
-                    d_off = ds.offset + (u0 - ds.start) * ds.stride + row * ds.row_stride
-                    whole = (
-                        s_off == d_off == 0 and s_len == st.block_bytes and d_len == dt.block_bytes
-                    )
-                    if split and not (whole or by_unit):
-                        raise LayoutError(
-                            f"{_where(dt)} axis {ds.axis!r}: kernel block size source="
-                            f"{sg.kernel_size} destination={dg.kernel_size}, and its units do "
-                            "not list their tokens in order (Shard.token_major), so a slice of "
-                            "a block's units moves only between equal kernel block sizes (use "
-                            "the same attention backend and block size on both sides)"
-                        )
-                    s_pieces.append(_piece(st, sg, s_off, s_len, name, by_unit))
-                    d_pieces.append(_piece(dt, dg, d_off, d_len, name, by_unit))
-    if diffs:
-        raise LayoutMismatchError(diffs)
-    if not d_pieces:
+    pieces = _Pieces(same_rank=src.spec.tp_rank == dst.spec.tp_rank)
+    for dt in dst.spec.tensors:
+        if dt.group_index not in src.groups:
+            continue  # no unit of a tensor without a source here: the coverage check names it
+        for st in _sources_of(dt, by_key, by_layer):
+            pieces.add(st, dt, src.groups[dt.group_index], dst.groups[dt.group_index])
+    if pieces.diffs:
+        raise LayoutMismatchError(pieces.diffs)
+    if not pieces.d:
         return None
     # Pieces are units (or whole tensors) meaning the same on both sides: where the block formats
     # differ only in where heads sit, a head of either is a per-head piece.
     fs, fd = src.spec.block_format, dst.spec.block_format
     formats = (fs, fd) if fs == fd else (unit_format(fs), unit_format(fd))
     return TPPair(
-        _restricted(src, s_pieces, formats[0]),
-        _restricted(dst, d_pieces, formats[1]),
-        frozenset(groups),
-        units,
+        _restricted(src, pieces.s, formats[0]),
+        _restricted(dst, pieces.d, formats[1]),
+        frozenset(pieces.groups),
+        pieces.units,
     )
 
 

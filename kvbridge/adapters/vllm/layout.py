@@ -43,8 +43,8 @@ refuses between different TP sizes with a message naming the head-major layouts.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -588,13 +588,86 @@ def build_layout_spec(
     """
     if split not in (SPLIT_HEAD_KV, SPLIT_OPAQUE):
         raise ValueError(f"split must be {SPLIT_HEAD_KV!r} or {SPLIT_OPAQUE!r}, got {split!r}")
-    groups: list[CacheGroup] = []
-    tensors: list[CacheTensor] = []
-    dtypes: list[str] = []
-    paged_dtypes: list[str] = []
-    formats: set[str] = set()
-    by_group: dict[int, list[list[CacheTensor]]] = {}  # group index → each layer's tensors
+    found = _Found()
     num_blocks = int(kv_cache_config.num_blocks)
+    for index, spec, kind, layers in _moved_groups(kv_cache_config, kv_caches, pp_rank, pp_size):
+        group, ratio = _cache_group(index, spec, kind, kv_caches[layers[0]], layers[0], num_blocks)
+        found.groups.append(group)
+        for layer in layers:
+            view, layer_spec = kv_caches[layer], _spec_of(spec, layer)
+            if kind is GroupKind.STATE:
+                state = _state_tensors(
+                    layer, view, layer_spec, group, tp_rank, tp_size, conv_state_layout
+                )
+                found.add(index, state)
+                found.dtypes.extend(_dtype_name(d) for d in layer_spec.dtypes)
+                continue
+            if view.shape[0] != num_blocks * ratio:
+                raise LayoutError(
+                    f"layer {layer!r}: {view.shape[0]} kernel blocks, the group's first "
+                    f"layer has {num_blocks * ratio}"
+                )
+            given = (
+                total_num_kv_heads.get(layer)
+                if isinstance(total_num_kv_heads, Mapping)
+                else total_num_kv_heads
+            )
+            total = _total_kv_heads(int(view.shape[1]), given, tp_size)
+            found.add_paged(
+                index,
+                _paged_tensors(layer, view, group, ratio, split, tp_rank, tp_size, total),
+                kind,
+                _dtype_name(layer_spec.dtype),
+            )
+    if not found.groups:
+        raise LayoutError("vLLM registered no cache tensor that kvbridge can transfer")
+    _refuse_aliased(found.by_group, num_blocks, engine_layout)
+    # The layout's dtype names what the attention caches hold (a STATE-only model: its first
+    # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
+    dtype = next(iter(found.paged_dtypes or found.dtypes), "bfloat16")
+    return LayoutSpec(
+        groups=found.groups,
+        tensors=found.tensors,
+        dtype=dtype,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        block_format="; ".join(sorted(found.formats)),
+        engine_layout=engine_layout or "",
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        vram_device=vram_device_of(kv_caches.values()),
+    )
+
+
+@dataclass
+class _Found:
+    """What ``build_layout_spec`` found so far, group by group."""
+
+    groups: list[CacheGroup] = field(default_factory=list)
+    tensors: list[CacheTensor] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)  # of state tensors
+    paged_dtypes: list[str] = field(default_factory=list)
+    formats: set[str] = field(default_factory=set)
+    #: group index -> each layer's tensors
+    by_group: dict[int, list[list[CacheTensor]]] = field(default_factory=dict)
+
+    def add(self, index: int, layer_tensors: list[CacheTensor]) -> None:
+        self.tensors.extend(layer_tensors)
+        self.by_group.setdefault(index, []).append(layer_tensors)
+
+    def add_paged(
+        self, index: int, paged: tuple[list[CacheTensor], str], kind: GroupKind, dtype: str
+    ) -> None:
+        """A paged layer's tensors with its block format and dtype."""
+        self.add(index, paged[0])
+        self.formats.add(f"{kind.value} {paged[1]}")
+        self.paged_dtypes.append(dtype)
+
+
+def _moved_groups(
+    kv_cache_config: Any, kv_caches: Mapping[str, torch.Tensor], pp_rank: int, pp_size: int
+) -> Iterator[tuple[int, Any, GroupKind, list[str]]]:
+    """(index, spec, kind, registered layer names) of each group that takes part in transfers."""
     for index, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(group_spec, "enable_kv_transfer", True) or getattr(
             group_spec, "host_resident", False
@@ -612,57 +685,8 @@ def build_layout_spec(
                 "only where every stage holds layers of every group: choose a "
                 "pipeline_parallel_size (or VLLM_PP_LAYER_PARTITION) that gives each stage some"
             )
-        if not layers:
-            continue
-        group, ratio = _cache_group(index, spec, kind, kv_caches[layers[0]], layers[0], num_blocks)
-        groups.append(group)
-        for layer in layers:
-            view = kv_caches[layer]
-            layer_spec = _spec_of(spec, layer)
-            if kind is GroupKind.STATE:
-                state = _state_tensors(
-                    layer, view, layer_spec, group, tp_rank, tp_size, conv_state_layout
-                )
-                tensors.extend(state)
-                by_group.setdefault(index, []).append(state)
-                dtypes.extend(_dtype_name(d) for d in layer_spec.dtypes)
-            else:
-                if view.shape[0] != num_blocks * ratio:
-                    raise LayoutError(
-                        f"layer {layer!r}: {view.shape[0]} kernel blocks, the group's first "
-                        f"layer has {num_blocks * ratio}"
-                    )
-                given = (
-                    total_num_kv_heads.get(layer)
-                    if isinstance(total_num_kv_heads, Mapping)
-                    else total_num_kv_heads
-                )
-                total = _total_kv_heads(int(view.shape[1]), given, tp_size)
-                layer_tensors, block_format = _paged_tensors(
-                    layer, view, group, ratio, split, tp_rank, tp_size, total
-                )
-                tensors.extend(layer_tensors)
-                formats.add(f"{kind.value} {block_format}")
-                paged_dtypes.append(_dtype_name(layer_spec.dtype))
-                by_group.setdefault(index, []).append(layer_tensors)
-    if not groups:
-        raise LayoutError("vLLM registered no cache tensor that kvbridge can transfer")
-    _refuse_aliased(by_group, num_blocks, engine_layout)
-    # The layout's dtype names what the attention caches hold (a STATE-only model: its first
-    # state dtype); mixed attention precisions would need per-tensor dtypes in the core.
-    dtype = next(iter(paged_dtypes or dtypes), "bfloat16")
-    return LayoutSpec(
-        groups=groups,
-        tensors=tensors,
-        dtype=dtype,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        block_format="; ".join(sorted(formats)),
-        engine_layout=engine_layout or "",
-        pp_rank=pp_rank,
-        pp_size=pp_size,
-        vram_device=vram_device_of(kv_caches.values()),
-    )
+        if layers:
+            yield index, spec, kind, layers
 
 
 def vram_device_of(views: Iterable[torch.Tensor]) -> int:

@@ -20,12 +20,13 @@ from kvbridge.adapters.vllm.scheduler import LayerwiseStep, StepPlan
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.transpose import transpose_received
 from kvbridge.control.requests import Mode, TransferParams, rank_engine_id
-from kvbridge.core.layout import Layout
+from kvbridge.core.layout import Layout, LayoutSpec
 from kvbridge.core.registry import load_transport_class
 from kvbridge.core.transpose import Transpose
 
 if TYPE_CHECKING:
     from kvbridge.control.plane import ControlPlane
+    from kvbridge.core.transport import Transport
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -69,43 +70,9 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tp_rank, tp_size = _tp(self.vllm_config)
         pp_rank, pp_size = _pp(self.vllm_config)
-        split = self.options.kv_split
-        if split is None:
-            from vllm.platforms import current_platform
-
-            split = SPLIT_HEAD_KV if current_platform.is_cpu() else SPLIT_OPAQUE
-        cache_config = getattr(self.vllm_config, "cache_config", None)
-        engine_layout = getattr(self.kv_cache_config, "kv_cache_layout", None) or getattr(
-            cache_config, "kv_cache_layout", None
-        )
-        model = getattr(self.vllm_config, "model_config", None)
-        total_heads = None
-        if model is not None and not getattr(model, "use_mla", False):
-            total_heads = int(model.get_total_num_kv_heads())
         self._kv_caches = kv_caches
-        spec = build_layout_spec(
-            self.kv_cache_config,
-            kv_caches,
-            split=split,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            engine_layout=engine_layout,
-            total_num_kv_heads=total_heads,
-            pp_rank=pp_rank,
-            pp_size=pp_size,
-        )
-        transport_cls = load_transport_class(self.options.transport)
-        vllm_cache = getattr(self.vllm_config, "cache_config", None)
-        if getattr(vllm_cache, "enable_extensible_kv_cache", False):
-            # vLLM 0.34's extensible KV cache: the driver maps these caches (CUDA virtual
-            # memory); the engine picks a registration path that takes them before it starts.
-            transport_cls.prepare_for_driver_mapped_memory()
-        options = self.options.transport_timed()
-        if transport_cls.host_option is not None:
-            # The transport announces the address peers reach it at: the side channel's host
-            # unless the transport's own option says otherwise.
-            options.setdefault(transport_cls.host_option, self.options.host)
-        transport = transport_cls(**options)
+        spec = self._layout_spec(kv_caches, tp_rank, tp_size, pp_rank, pp_size)
+        transport = self._transport()
         # Imported here: the scheduler process loads this module too and needs no zmq plane.
         from kvbridge.control.plane import ControlPlane
 
@@ -140,6 +107,55 @@ class ConnectorWorker:
                 "kvbridge: option prefill_peers is for decode instances; a %s ignores it",
                 getattr(ktc, "kv_role", "producer"),
             )
+
+    def _layout_spec(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        tp_rank: int,
+        tp_size: int,
+        pp_rank: int,
+        pp_size: int,
+    ) -> LayoutSpec:
+        """The layout of the caches vLLM registered, as this rank holds them."""
+        split = self.options.kv_split
+        if split is None:
+            from vllm.platforms import current_platform
+
+            split = SPLIT_HEAD_KV if current_platform.is_cpu() else SPLIT_OPAQUE
+        cache_config = getattr(self.vllm_config, "cache_config", None)
+        engine_layout = getattr(self.kv_cache_config, "kv_cache_layout", None) or getattr(
+            cache_config, "kv_cache_layout", None
+        )
+        model = getattr(self.vllm_config, "model_config", None)
+        total_heads = None
+        if model is not None and not getattr(model, "use_mla", False):
+            total_heads = int(model.get_total_num_kv_heads())
+        return build_layout_spec(
+            self.kv_cache_config,
+            kv_caches,
+            split=split,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            engine_layout=engine_layout,
+            total_num_kv_heads=total_heads,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+        )
+
+    def _transport(self) -> Transport:
+        """The configured transport, built with the adapter's defaults for its options."""
+        transport_cls = load_transport_class(self.options.transport)
+        vllm_cache = getattr(self.vllm_config, "cache_config", None)
+        if getattr(vllm_cache, "enable_extensible_kv_cache", False):
+            # vLLM 0.34's extensible KV cache: the driver maps these caches (CUDA virtual
+            # memory); the engine picks a registration path that takes them before it starts.
+            transport_cls.prepare_for_driver_mapped_memory()
+        options = self.options.transport_timed()
+        if transport_cls.host_option is not None:
+            # The transport announces the address peers reach it at: the side channel's host
+            # unless the transport's own option says otherwise.
+            options.setdefault(transport_cls.host_option, self.options.host)
+        return transport_cls(**options)
 
     def apply(self, plan: StepPlan) -> None:
         """Start what the scheduler decided; every call here returns without waiting."""

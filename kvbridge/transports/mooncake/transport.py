@@ -276,18 +276,10 @@ class MooncakeTransport(Transport):
         bound_stalls(self.timeout)
         self.protocol = protocol
         self._session = hostname
-        self._status = batch_status.load(importlib.import_module(engine_cls.__module__))
+        module = importlib.import_module(engine_cls.__module__)
+        self._status = batch_status.load(module)
         env = {"MC_TRANSFER_TIMEOUT": str(ENGINE_WAIT_S)}
-        pinned = {}
-        if self.port_range is not None:
-            ours = dict(zip(PORT_RANGE_ENV, map(str, self.port_range), strict=True))
-            pinned = listeners.settings_not_set(ours, {}, log, "mooncake")
-            if pinned and not _pin_ports(importlib.import_module(engine_cls.__module__), pinned):
-                raise TransportError(
-                    "this Mooncake build does not export loadGlobalConfig, so port_range cannot "
-                    "be applied; set MC_MIN_RPC_PORT and MC_MAX_RPC_PORT in the environment of "
-                    "the process before it starts instead"
-                )
+        pinned = self._pin_port_range(module)
         before = {lst.inode for lst in listeners.listening_sockets()}
         with environment_overrides(env):
             engine = engine_cls()
@@ -306,16 +298,8 @@ class MooncakeTransport(Transport):
             self._session = f"{host}:{rpc_port}"
         #: the engine's listening sockets, as the kernel reports them after ``initialize``
         self.listeners: list[listeners.Listener] = opened
-        if len(pinned) == len(PORT_RANGE_ENV) and self.port_range is not None:
-            lo, hi = self.port_range
-            outside = [str(lst) for lst in opened if not lo <= lst.port <= hi]
-            if outside:
-                self._engine = None
-                raise TransportError(
-                    f"the Mooncake engine listens on {', '.join(outside)}, outside port_range "
-                    f"{lo}-{hi} (another thread may have changed Mooncake's port range); "
-                    f"{self.log_hint}"
-                )
+        if len(pinned) == len(PORT_RANGE_ENV):
+            self._check_pinned_ports(opened)
         labels = {rpc_port: "RPC"} | {
             lst.port: "data" for lst in opened if lst.port != rpc_port and lst.protocol == "tcp"
         }
@@ -324,6 +308,35 @@ class MooncakeTransport(Transport):
         )
         kinds = {MemoryKind.DRAM, *([MemoryKind.VRAM] if _engine_supports_vram() else [])}
         self.open(TransportLimits(int(max_batch), int(max_in_flight), frozenset(kinds)))
+
+    def _pin_port_range(self, module: Any) -> dict[str, str]:
+        """Pin the engine's ports to ``port_range`` where the environment does not already;
+        the settings pinned."""
+        if self.port_range is None:
+            return {}
+        ours = dict(zip(PORT_RANGE_ENV, map(str, self.port_range), strict=True))
+        pinned = listeners.settings_not_set(ours, {}, log, "mooncake")
+        if pinned and not _pin_ports(module, pinned):
+            raise TransportError(
+                "this Mooncake build does not export loadGlobalConfig, so port_range cannot "
+                "be applied; set MC_MIN_RPC_PORT and MC_MAX_RPC_PORT in the environment of "
+                "the process before it starts instead"
+            )
+        return pinned
+
+    def _check_pinned_ports(self, opened: list[listeners.Listener]) -> None:
+        """Refuse an engine listening outside the ``port_range`` it was pinned to."""
+        if self.port_range is None:  # nothing was pinned
+            return
+        lo, hi = self.port_range
+        outside = [str(lst) for lst in opened if not lo <= lst.port <= hi]
+        if outside:
+            self._engine = None
+            raise TransportError(
+                f"the Mooncake engine listens on {', '.join(outside)}, outside port_range "
+                f"{lo}-{hi} (another thread may have changed Mooncake's port range); "
+                f"{self.log_hint}"
+            )
 
     @classmethod
     def engine_import(cls) -> Any:
