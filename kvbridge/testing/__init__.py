@@ -1,7 +1,9 @@
 """The transport conformance suite and its helpers, for kvbridge's transports and third-party ones.
 
 A plugin's tests subclass ``TransportConformance`` (see ``kvbridge.testing.conformance`` for what
-to write) and run under pytest with pytest-timeout (``pip install 'kvbridge[testing]'``).
+to write) and run under pytest with pytest-timeout (``pip install 'kvbridge[testing]'``). The
+suite's parts, ``DataPathTests``, ``RegistrationTests``, ``PeerLifecycleTests`` and
+``FaultAndFenceTests`` (mixins over ``ConformanceBase``), each run alone or in any combination.
 
 ``LoopbackTransport`` is an in-process transport for tests of code above the transport (see
 ``kvbridge.testing.loopback``).
@@ -21,13 +23,21 @@ if TYPE_CHECKING:
         WRITE,
         Agent,
         Capabilities,
+        ConformanceBase,
+        DataPathTests,
+        FaultAndFenceTests,
         MakeAgent,
         MiB,
         PeerBytes,
+        PeerLifecycleTests,
+        RegistrationTests,
         SpawnPeer,
         TransportConformance,
         assert_same_bytes,
         at,
+        check_read,
+        check_write,
+        connected_pair,
         copy_ranges,
         record_fault,
         scattered,
@@ -40,16 +50,24 @@ __all__ = [
     "WRITE",
     "Agent",
     "Capabilities",
+    "ConformanceBase",
+    "DataPathTests",
+    "FaultAndFenceTests",
     "LoopbackTransport",
     "MakeAgent",
     "MiB",
     "PeerBytes",
+    "PeerLifecycleTests",
     "PeerProcess",
     "PeerProcessError",
+    "RegistrationTests",
     "SpawnPeer",
     "TransportConformance",
     "assert_same_bytes",
     "at",
+    "check_read",
+    "check_write",
+    "connected_pair",
     "copy_ranges",
     "random_bytes",
     "record_fault",
