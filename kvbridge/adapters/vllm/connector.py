@@ -21,7 +21,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.adapters.vllm.bootstrap import BootstrapServer, query_answer
 from kvbridge.adapters.vllm.layout import (
     group_kind,
 )
@@ -37,6 +36,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.worker import ConnectorWorker
 from kvbridge.control.holds import HoldBudget, HoldLimits
 from kvbridge.core.block_mapping import sliding_window_blocks
+from kvbridge.router.bootstrap import BootstrapServer, query_answer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

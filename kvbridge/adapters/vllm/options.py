@@ -263,7 +263,7 @@ class Options:
     #: allow a side channel other hosts reach without a secret
     insecure: bool = False
     #: P: serve vllm-router's ``--kv-connector mooncake`` mode: its bootstrap ``/query`` on
-    #: ``host``:this port (``kvbridge.adapters.vllm.bootstrap``); None: not served
+    #: ``host``:this port (``kvbridge.router.bootstrap``); None: not served
     bootstrap_port: int | None = None
 
     def __repr__(self) -> str:
