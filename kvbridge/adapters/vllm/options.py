@@ -68,7 +68,7 @@ ENV_HOST = "KVBRIDGE_HOST"
 ENV_PORT = "KVBRIDGE_PORT"
 ENV_SECRET = "KVBRIDGE_SECRET"
 ENV_SECRET_FILE = "KVBRIDGE_SECRET_FILE"
-#: Every variable the connector reads (``KVBRIDGE_LOG_LEVEL``: ``kvbridge.adapters.vllm.plugin``).
+#: Every variable the connector reads (``KVBRIDGE_LOG_LEVEL``: ``kvbridge.adapters.vllm.logs``).
 ENV_NAMES = (ENV_HOST, "KVBRIDGE_LOG_LEVEL", ENV_PORT, ENV_SECRET, ENV_SECRET_FILE)
 
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
