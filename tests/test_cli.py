@@ -211,7 +211,7 @@ def test_the_installed_metadata_declares_the_extras_and_the_proxy_command():
     names = {r.split(">")[0].split(";")[0].strip() for r in proxy_reqs}
     assert names == {"httpx", "fastapi", "uvicorn", "prometheus-client"}
     (script,) = metadata.entry_points(group="console_scripts", name="kvbridge-proxy")
-    assert script.value == "kvbridge.adapters.vllm.proxy:main"
+    assert script.value == "kvbridge.router.proxy:main"
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
     assert (Path(cli.__file__).parent.parent / "py.typed").is_file()  # the kvbridge package
 

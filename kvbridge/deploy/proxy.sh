@@ -11,5 +11,5 @@ DECODE_URLS=${DECODE_URLS:-http://127.0.0.1:8200}
 args=()
 for url in $PREFILL_URLS; do args+=(--prefill "$url"); done
 for url in $DECODE_URLS; do args+=(--decode "$url"); done
-exec "$PYTHON" -m kvbridge.adapters.vllm.proxy "${args[@]}" \
+exec "$PYTHON" -m kvbridge.router "${args[@]}" \
   --host "${PROXY_HOST:-0.0.0.0}" --port "${PROXY_PORT:-8000}" "$@"

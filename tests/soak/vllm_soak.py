@@ -146,7 +146,7 @@ class VllmSoak:
         it may hit P mid-forward (streaming) or D mid-stream."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from kvbridge.adapters.vllm.dispatch import concurrent_params, prefill_address
+        from kvbridge.router.dispatch import concurrent_params, prefill_address
 
         if self.address is None:
             learnt = self.p.generate(self.ref.prompts[0], 1, {"do_remote_decode": True})

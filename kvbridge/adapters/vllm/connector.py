@@ -4,6 +4,11 @@ A facade, as vLLM's own NIXL connector is: the scheduler side is ``SchedulerStat
 bookkeeping, ``scheduler.py``), the worker side ``ConnectorWorker`` (the control plane and the
 requests in flight, ``worker.py``), the options ``Options`` (``options.py``). This module maps
 vLLM's calls onto them and answers vLLM's class-level questions (layout, sleep mode, stats).
+
+vLLM builds one connector per role: in the scheduler's process with ``SCHEDULER``, in each
+worker with ``WORKER``. Each builds the side of its role only (``scheduler`` or ``worker``; the
+other is ``None``); a call of the other side's (which vLLM never makes) raises ``RuntimeError``
+naming the role, except the queries each role answers (stats, ``plane``, ``shutdown``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.adapters.vllm.bootstrap import BootstrapServer, query_answer
 from kvbridge.adapters.vllm.layout import (
     group_kind,
 )
@@ -37,6 +41,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.worker import ConnectorWorker
 from kvbridge.control.holds import HoldBudget, HoldLimits
 from kvbridge.core.block_mapping import sliding_window_blocks
+from kvbridge.router.bootstrap import BootstrapServer, query_answer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,27 +88,33 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.options = Options.from_extra(ktc.kv_connector_extra_config, self.default_transport)
         refuse_unsupported_parallelism(vllm_config)
         self.engine_id = str(ktc.engine_id)
-        groups = [
-            GroupInfo(
-                i,
-                group_kind(g.kv_cache_spec),
-                int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0),
-                bool(getattr(g, "enable_kv_transfer", True)),
-                _window_blocks(g.kv_cache_spec),
-                int(getattr(g.kv_cache_spec, "block_size", 0) or 0),
-            )
-            for i, g in enumerate(kv_cache_config.kv_cache_groups)
-        ]
+        #: The scheduler side's state (the scheduler role's connector only).
         self.scheduler: SchedulerState | None = None
+        #: The worker side's state (the worker role's connector only); it opens its control
+        #: plane at ``register_kv_caches``.
+        self.worker: ConnectorWorker | None = None
         self._bootstrap: BootstrapServer | None = None
         self._declined_seen = self._held_blocks_seen = 0  # what the last stats reported
         self._limit_sent = False
-        #: The worker side's state; it opens its control plane at ``register_kv_caches``.
-        self.worker = ConnectorWorker(self.options, self.engine_id, vllm_config, kv_cache_config)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
         self.options.refuse_weak(pp_size * tp_size)  # port + rank for every worker
-        if role == KVConnectorRole.SCHEDULER:
+        if role != KVConnectorRole.SCHEDULER:
+            self.worker = ConnectorWorker(
+                self.options, self.engine_id, vllm_config, kv_cache_config
+            )
+        else:
+            groups = [
+                GroupInfo(
+                    i,
+                    group_kind(g.kv_cache_spec),
+                    int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0),
+                    bool(getattr(g, "enable_kv_transfer", True)),
+                    _window_blocks(g.kv_cache_spec),
+                    int(getattr(g.kv_cache_spec, "block_size", 0) or 0),
+                )
+                for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            ]
             limits = HoldLimits.of_pool(
                 int(kv_cache_config.num_blocks),
                 self.options.max_held_fraction,
@@ -212,7 +223,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side ---------------------------------------------------------------------------
     def _sched(self) -> SchedulerState:
-        assert self.scheduler is not None, "scheduler-side call on a worker connector"
+        if self.scheduler is None:
+            raise RuntimeError("KVBridgeConnector: a scheduler-side call on a worker connector")
         return self.scheduler
 
     def on_new_request(self, request: Request) -> None:
@@ -260,20 +272,25 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler is not None and self.scheduler.has_pending_publish
 
     # -- worker side: the ConnectorWorker does the work ------------------------------------------
+    def _work(self) -> ConnectorWorker:
+        if self.worker is None:
+            raise RuntimeError("KVBridgeConnector: a worker-side call on the scheduler connector")
+        return self.worker
+
     @property
     def plane(self) -> ControlPlane | None:
         """The worker's control plane (``None`` before ``register_kv_caches`` and on the
         scheduler)."""
-        return self.worker.plane
+        return self.worker.plane if self.worker is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        self._work().register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if self.worker.plane is None or not isinstance(meta, KVBridgeMetadata):
+        worker, meta = self._work(), self._connector_metadata
+        if worker.plane is None or not isinstance(meta, KVBridgeMetadata):
             return
-        self.worker.apply(meta.plan)
+        worker.apply(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous
@@ -287,14 +304,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         place until D reads them (or asks P to write them)."""
         meta = self._connector_metadata
         if isinstance(meta, KVBridgeMetadata) and meta.plan.layerwise:
-            self.worker.stream_layer(layer_name, meta.plan.layerwise)
+            self._work().stream_layer(layer_name, meta.plan.layerwise)
 
     def wait_for_save(self) -> None:
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished sends (P may free) and receives (D may run), failed receives marked."""
-        return self.worker.get_transfer_results()
+        return self._work().get_transfer_results()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -304,7 +321,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """This worker's transfers since the last call (vLLM polls it every step); on the
         scheduler, P's holds: prefills declined past the hold limit, blocks held for decode."""
         if self.scheduler is None:
-            return self.worker.take_stats()
+            return self._work().take_stats()
         holds = self.scheduler.holds
         if holds is None:
             return None
@@ -332,6 +349,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
         if self._bootstrap is not None:
             self._bootstrap.close()

@@ -68,7 +68,7 @@ ENV_HOST = "KVBRIDGE_HOST"
 ENV_PORT = "KVBRIDGE_PORT"
 ENV_SECRET = "KVBRIDGE_SECRET"
 ENV_SECRET_FILE = "KVBRIDGE_SECRET_FILE"
-#: Every variable the connector reads (``KVBRIDGE_LOG_LEVEL``: ``kvbridge.adapters.vllm.plugin``).
+#: Every variable the connector reads (``KVBRIDGE_LOG_LEVEL``: ``kvbridge.adapters.vllm.logs``).
 ENV_NAMES = (ENV_HOST, "KVBRIDGE_LOG_LEVEL", ENV_PORT, ENV_SECRET, ENV_SECRET_FILE)
 
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
@@ -263,7 +263,7 @@ class Options:
     #: allow a side channel other hosts reach without a secret
     insecure: bool = False
     #: P: serve vllm-router's ``--kv-connector mooncake`` mode: its bootstrap ``/query`` on
-    #: ``host``:this port (``kvbridge.adapters.vllm.bootstrap``); None: not served
+    #: ``host``:this port (``kvbridge.router.bootstrap``); None: not served
     bootstrap_port: int | None = None
 
     def __repr__(self) -> str:

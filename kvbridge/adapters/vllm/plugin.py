@@ -1,87 +1,22 @@
-"""vLLM general plugin: registers kvbridge's connectors and asks for AMX tile permission.
+"""vLLM general plugin: registers kvbridge's connector names with vLLM's connector factory.
 
 vLLM runs every ``vllm.general_plugins`` entry point in each of its processes (engine core and
-workers), which is where both things must happen.
+workers), so ``register`` is also where each process asks for AMX permission (``amx``) and
+routes kvbridge's log lines through vLLM's logging (``logs``); those live in modules of their own.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import platform
-import sys
+
+from kvbridge.adapters.vllm.amx import request_amx_permission
+from kvbridge.adapters.vllm.logs import configure_logging
 
 log = logging.getLogger("kvbridge.vllm")
 
 #: The generic connector name; the transport comes from ``kv_connector_extra_config``.
 CONNECTOR_NAME = "KVBridgeConnector"
 _MODULE = "kvbridge.adapters.vllm.connector"
-
-_ARCH_REQ_XCOMP_PERM = 0x1023
-_XFEATURE_XTILEDATA = 18
-_SYS_ARCH_PRCTL = 158  # x86-64
-
-
-def request_amx_permission() -> bool:
-    """Ask Linux for AMX tile data, which vLLM's bf16 CPU attention uses without asking.
-
-    Without it, the first AMX instruction in a process that oneDNN did not already enable
-    dies with SIGILL. The grant does not survive exec, hence once per process. A no-op (False)
-    off x86-64 Linux or where the CPU has no AMX.
-    """
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-#: The name of the handler ``configure_logging`` adds (and replaces when called again).
-_HANDLER_NAME = "kvbridge"
-
-
-class _ToVllmLogger(logging.Handler):
-    """Hands kvbridge's records to vLLM's ``vllm`` logger: they come out through vLLM's own
-    handlers, format and stream (a JSON formatter or ``VLLM_LOGGING_CONFIG_PATH`` included).
-
-    vLLM configures that logger in each process at its own time, possibly after the plugins
-    load, so where it goes is looked up per record; where vLLM configured nothing
-    (``VLLM_CONFIGURE_LOGGING=0``), records go to the root logger, as without this handler.
-    """
-
-    def emit(self, record: logging.LogRecord) -> None:
-        vllm_logger = logging.getLogger("vllm")
-        (vllm_logger if vllm_logger.handlers else logging.getLogger()).handle(record)
-
-
-def configure_logging() -> None:
-    """Make kvbridge's log lines appear under vLLM's logging setup, in every process.
-
-    vLLM configures only its own ``vllm`` logger, so without this kvbridge's lines below
-    WARNING would go nowhere and the rest would come out bare on stderr. By default they go
-    through vLLM's handlers at vLLM's level (``VLLM_LOGGING_LEVEL``, INFO unless set).
-    ``KVBRIDGE_LOG_LEVEL`` (e.g. ``DEBUG``) instead gives them a handler of their own at that
-    level, with millisecond timestamps and the process id.
-    """
-    logger = logging.getLogger("kvbridge")
-    for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
-        logger.removeHandler(old)
-    level = os.environ.get("KVBRIDGE_LOG_LEVEL", "").strip().upper()
-    handler: logging.Handler
-    if level:
-        handler = logging.StreamHandler()
-        fmt = "%(asctime)s.%(msecs)03d %(process)d %(name)s %(levelname)s %(message)s"
-        handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
-    else:
-        handler = _ToVllmLogger()
-        level = os.environ.get("VLLM_LOGGING_LEVEL", "").strip().upper() or "INFO"
-    handler.set_name(_HANDLER_NAME)
-    logger.addHandler(handler)
-    logger.propagate = False
-    logger.setLevel(level)
 
 
 def connector_name(transport: str | None) -> str:

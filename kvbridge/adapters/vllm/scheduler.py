@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.adapters.vllm.bootstrap import BootstrapError, BootstrapLookups
 from kvbridge.adapters.vllm.versions import drop_prompt_tail, resumed_req_ids
 from kvbridge.control import auth
 from kvbridge.control.holds import HoldBudget
@@ -28,9 +27,12 @@ from kvbridge.core.block_mapping import GroupBlockIds, held_block_ids, tail_bloc
 from kvbridge.core.boundary import prefill_token_count, remote_prefill_token_count
 from kvbridge.core.errors import MessageError
 from kvbridge.core.groups import GroupKind
+from kvbridge.router.bootstrap import BootstrapError, BootstrapLookups
 
-#: The key of our ``TransferParams`` inside vLLM's ``kv_transfer_params``.
-PARAMS_KEY = "kvbridge"
+# The keys a router writes into ``kv_transfer_params`` (re-exported: the connector's names).
+from kvbridge.router.dispatch import LAYERWISE_KEY as LAYERWISE_KEY
+from kvbridge.router.dispatch import PARAMS_KEY as PARAMS_KEY
+
 #: Optional on P's request: ``"pull"`` or ``"push"``, overriding the configured mode for it.
 MODE_KEY = "kvbridge_mode"
 #: Set on P's params once its prompt was truncated, so a preempted request is not cut twice.
@@ -44,16 +46,11 @@ LOCAL_HIT_KEY = "_kvbridge_local_tokens"
 DECLINED_KEY = "kvbridge_declined"
 #: vLLM's null block (the first block of the pool), a placeholder in STATE/SW block lists.
 NULL_BLOCK_ID = 0
-#: On P's request in the concurrent dispatch (layer-wise): ``{"id": transfer id, "token":
-#: capability, "mode": push or pull}``, made by the router, which gives D the same in its
-#: ``kvbridge`` params (``TransferParams.layerwise``). P publishes the request under that id and
-#: streams its layers.
-LAYERWISE_KEY = "kvbridge_layerwise"
 #: Bounds on the router's transfer id and token (the token must be as unguessable as P's own).
 _ID_MAX = 256
 _TOKEN_MIN = 16
 #: vllm-router's ``mooncake`` mode: its transfer id on both requests, and P's bootstrap address
-#: on D's (``kvbridge.adapters.vllm.bootstrap``)
+#: on D's (``kvbridge.router.bootstrap``)
 ROUTER_TRANSFER_KEY = "transfer_id"
 BOOTSTRAP_KEY = "remote_bootstrap_addr"
 

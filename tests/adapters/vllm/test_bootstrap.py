@@ -13,15 +13,15 @@ from collections.abc import Iterator
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvbridge.adapters.vllm.bootstrap import (
+from kvbridge.adapters.vllm.scheduler import PARAMS_KEY, GroupInfo, SchedulerState
+from kvbridge.control.requests import Mode, RankAddress, TransferParams
+from kvbridge.core import GroupKind
+from kvbridge.router.bootstrap import (
     BootstrapError,
     BootstrapLookups,
     BootstrapServer,
     query_answer,
 )
-from kvbridge.adapters.vllm.scheduler import PARAMS_KEY, GroupInfo, SchedulerState
-from kvbridge.control.requests import Mode, RankAddress, TransferParams
-from kvbridge.core import GroupKind
 from tests.adapters.vllm.conftest import make_request
 
 DENSE = [GroupInfo(0, GroupKind.ATTENTION, block_size=16)]

@@ -755,7 +755,7 @@ def _decode_layerwise(
     real router's is)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvbridge.adapters.vllm.dispatch import concurrent_params
+    from kvbridge.router.dispatch import concurrent_params
 
     to_p, to_d = concurrent_params(prefill, mode)
     tid = to_p["kvbridge_layerwise"]["id"]
@@ -865,7 +865,7 @@ def run_pair(
         if any(m in LAYERWISE for m in modes):
             # P's side channel, as a router learns it: from an answer of P's (a hold nobody
             # claims, freed at P's claim timeout).
-            from kvbridge.adapters.vllm.dispatch import prefill_address
+            from kvbridge.router.dispatch import prefill_address
 
             learnt = p.generate(WARMUP_PROMPT, 1, {"do_remote_decode": True})
             prefill = prefill_address(learnt["kv_transfer_params"] or {})

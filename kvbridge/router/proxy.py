@@ -1,6 +1,6 @@
 """A small prefill/decode proxy for ``vllm serve`` instances that use ``KVBridgeConnector``.
 
-    python -m kvbridge.adapters.vllm.proxy --prefill http://127.0.0.1:8100 \\
+    python -m kvbridge.router --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --host 127.0.0.1 --port 8000
 
 Clients talk to the proxy as to one OpenAI-compatible server. For ``POST /v1/completions`` and
@@ -29,7 +29,7 @@ Successful responses carry ``x-kvbridge-prefill-ms`` (P's round trip) and, when 
 ``x-kvbridge-remote-engine-id`` and ``x-kvbridge-remote-num-tokens``.
 
 ``--dispatch concurrent`` (``create_app(dispatch="concurrent")``) sends each request to P and D
-at once, with one transfer id and token made here (``kvbridge.adapters.vllm.dispatch``): D asks
+at once, with one transfer id and token made here (``kvbridge.router.dispatch``): D asks
 P for the request's KV while P computes it, and each layer moves as soon as it is computed:
 P writes it into D's blocks (layer-wise push) or tells D, which reads it (layer-wise pull), in
 the mode P's first answer named (P's ``mode`` option). D must know P's side channel: the first
@@ -48,7 +48,7 @@ sending the request to D to D's first chunk), ``kvbridge_proxy_requests_in_fligh
 (one of ``FAILURE_KINDS``); plus the process's own ``process_*`` and ``python_*`` metrics.
 
 ``main`` (``kvbridge-proxy``) checks its whole command line before it binds anything
-(``kvbridge.adapters.vllm.proxy_args``): a server that is not an http(s) URL with a host and a
+(``kvbridge.router.arguments``): a server that is not an http(s) URL with a host and a
 port in 1-65535, a port, timeout, dispatch or log level out of its range, or a host and port
 this machine cannot listen on, each stop it with one line saying what to write, exit status 2.
 Without the ``proxy`` extra, ``main`` says what to install and exits 2; ``create_app`` raises
@@ -68,9 +68,9 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvbridge.adapters.vllm import proxy_args
-from kvbridge.adapters.vllm.dispatch import concurrent_params, prefill_address
-from kvbridge.adapters.vllm.proxy_args import DISPATCHES as DISPATCHES
+from kvbridge.router import arguments
+from kvbridge.router.arguments import DISPATCHES as DISPATCHES
+from kvbridge.router.dispatch import concurrent_params, prefill_address
 
 try:
     import httpx
@@ -617,17 +617,17 @@ def create_app(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: check every argument (``proxy_args``: one line and exit 2 for a mistake),
+    """Command line: check every argument (``arguments``: one line and exit 2 for a mistake),
     then serve the proxy with uvicorn."""
-    a = proxy_args.parse(argv, __doc__.splitlines()[0] if __doc__ else None)
+    a = arguments.parse(argv, __doc__.splitlines()[0] if __doc__ else None)
     if _MISSING is not None:
         _missing_extra(_MISSING)
     try:
         import uvicorn
     except ImportError as exc:
         _missing_extra(exc)
-    proxy_args.check_listen(a.host, a.port)
-    level = proxy_args.TRACE if a.log_level == "trace" else a.log_level.upper()
+    arguments.check_listen(a.host, a.port)
+    level = arguments.TRACE if a.log_level == "trace" else a.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
     app = create_app(
         a.prefill,

@@ -20,9 +20,7 @@ from tests.ports import free_port
 _SCRIPT = Path(sys.executable).parent / "kvbridge-proxy"
 #: The installed console script; where this interpreter's environment has none (the vLLM 0.33
 #: environment, which sees the main one's packages), the same ``main`` through ``-m``.
-COMMAND = (
-    [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "kvbridge.adapters.vllm.proxy"]
-)
+COMMAND = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "kvbridge.router"]
 P, D = "http://127.0.0.1:9", "http://127.0.0.1:10"  # nothing answers there (discard, unassigned)
 
 

@@ -27,9 +27,19 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from kvbridge.adapters.vllm.scheduler import LAYERWISE_KEY, PARAMS_KEY
 from kvbridge.control import auth
 from kvbridge.control.requests import Mode, TransferParams, address_of
+
+# The two keys are the contract between a router and kvbridge's vLLM connector; they live here,
+# on the router's side, so that the router needs nothing of the adapter (nor vLLM) to write them.
+
+#: The key of our ``TransferParams`` inside vLLM's ``kv_transfer_params``.
+PARAMS_KEY = "kvbridge"
+#: On P's request in the concurrent dispatch (layer-wise): ``{"id": transfer id, "token":
+#: capability, "mode": push or pull}``, made by the router, which gives D the same in its
+#: ``kvbridge`` params (``TransferParams.layerwise``). P publishes the request under that id and
+#: streams its layers.
+LAYERWISE_KEY = "kvbridge_layerwise"
 
 
 def prefill_address(kv_transfer_params: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ parameters do not depend on P's answer, so a router may as well send both at onc
 - to D: ``{"do_remote_prefill": true, "transfer_id": X, "remote_bootstrap_addr":
   "http://<P host>:<port>", "remote_engine_id": E}``.
 
-kvbridge serves it as its own concurrent dispatch (``kvbridge.adapters.vllm.dispatch``):
+kvbridge serves it as its own concurrent dispatch (``kvbridge.router.dispatch``):
 
 - P answers ``/query`` (``BootstrapServer``, started when the connector option
   ``bootstrap_port`` is set) with ``{"0": {"engine_id": E, "kvbridge": <P's address>}}``: its

@@ -25,7 +25,7 @@ PROG = "kvbridge-proxy"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TRACE = 5  # uvicorn.logging.TRACE_LOG_LEVEL
 #: How requests reach P and D: P first, then D with P's answer (vLLM's convention); or both at
-#: once, P streaming each layer to D as it is computed (``kvbridge.adapters.vllm.dispatch``).
+#: once, P streaming each layer to D as it is computed (``kvbridge.router.dispatch``).
 DISPATCHES = ("sequential", "concurrent")
 
 

@@ -1,7 +1,7 @@
 """The P/D proxy's request shaping, error paths and metrics (upstream faults injected with httpx's
 mock), and its command without the proxy extra.
 
-The real path, two ``vllm serve`` servers behind this proxy, is ``e2e/test_serve.py``.
+The real path, two ``vllm serve`` servers behind this proxy, is ``tests/adapters/vllm/e2e/test_serve.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.adapters.vllm.proxy import create_app
+from kvbridge.router.proxy import create_app
 
 P, D = "http://prefill:1", "http://decode:2"
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_num_tokens": 7}
@@ -316,7 +316,7 @@ def test_a_client_leaving_before_the_stream_is_counted_and_ds_answer_closed() ->
 # --- without the proxy extra ------------------------------------------------------------------
 
 BLOCK = 'import sys; sys.modules["{}"] = None  # "not installed": importing it raises ImportError\n'
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def blocking(tmp_path: Path, module: str) -> dict[str, str]:
@@ -328,7 +328,7 @@ def blocking(tmp_path: Path, module: str) -> dict[str, str]:
 @pytest.mark.parametrize("missing", ["httpx", "prometheus_client", "uvicorn"])
 def test_the_command_without_the_extra_says_what_to_install(tmp_path: Path, missing: str) -> None:
     env = blocking(tmp_path, missing)
-    commands = [[sys.executable, "-m", "kvbridge.adapters.vllm.proxy"]]
+    commands = [[sys.executable, "-m", "kvbridge.router"]]
     script = Path(sys.executable).parent / "kvbridge-proxy"
     if missing == "httpx" and script.is_file():
         commands.append([str(script)])  # the console script, through the real entry point
@@ -349,7 +349,7 @@ def test_the_command_without_the_extra_says_what_to_install(tmp_path: Path, miss
 def test_create_app_without_the_extra_raises_import_error_naming_it(tmp_path: Path) -> None:
     env = blocking(tmp_path, "fastapi")
     code = (
-        "from kvbridge.adapters.vllm.proxy import create_app\n"
+        "from kvbridge.router.proxy import create_app\n"
         "try:\n    create_app(['http://p'], ['http://d'])\n"
         "except ImportError as e:\n    print(e, '|', e.__cause__.name)\n"
     )
