@@ -16,3 +16,12 @@ class TestProcMem(TransportConformance):
     capabilities: ClassVar[Capabilities] = Capabilities(
         frozen_peer_stalls=False, first_contact_stalls=False
     )
+
+
+def test_the_plugin_is_found_and_loads() -> None:
+    """The suite skips a transport that is not installed or cannot be imported; this fails
+    instead, so a broken install of the example cannot pass as skips."""
+    from kvbridge.core.registry import load_transport_class
+
+    cls = load_transport_class("procmem")
+    assert cls.__module__ == "procmem_transport" and cls.name == "procmem"
