@@ -104,44 +104,50 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self.options, self.engine_id, vllm_config, kv_cache_config
             )
         else:
-            groups = [
-                GroupInfo(
-                    i,
-                    group_kind(g.kv_cache_spec),
-                    int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0),
-                    bool(getattr(g, "enable_kv_transfer", True)),
-                    _window_blocks(g.kv_cache_spec),
-                    int(getattr(g.kv_cache_spec, "block_size", 0) or 0),
-                )
-                for i, g in enumerate(kv_cache_config.kv_cache_groups)
-            ]
-            limits = HoldLimits.of_pool(
-                int(kv_cache_config.num_blocks),
-                self.options.max_held_fraction,
-                self.options.max_held_requests,
-            )
-            log.info(
-                "kvbridge: prefill holds at most %d requests and %d of its %d KV blocks for "
-                "decode (max_held_requests, max_held_fraction)",
-                limits.max_requests,
-                limits.max_blocks,
-                int(kv_cache_config.num_blocks),
-            )
-            self.scheduler = SchedulerState(
-                groups,
-                engine_id=self.engine_id,
-                ranks=rank_addresses(self.options, self.engine_id, tp_size, pp_size),
-                transport=self.options.transport,
-                mode=self.options.mode,
-                holds=HoldBudget(limits),
-                pp_size=pp_size,
-            )
+            self.scheduler = self._scheduler_state(kv_cache_config, tp_size, pp_size)
             if self.options.bootstrap_port is not None and ktc.is_kv_producer:
                 self._bootstrap = BootstrapServer(
                     self.options.host,
                     self.options.bootstrap_port,
                     query_answer(self.engine_id, self.scheduler.prefill_address()),
                 )
+
+    def _scheduler_state(
+        self, kv_cache_config: KVCacheConfig, tp_size: int, pp_size: int
+    ) -> SchedulerState:
+        """The scheduler side: the cache groups, P's hold budget, every rank's address."""
+        groups = [
+            GroupInfo(
+                i,
+                group_kind(g.kv_cache_spec),
+                int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0),
+                bool(getattr(g, "enable_kv_transfer", True)),
+                _window_blocks(g.kv_cache_spec),
+                int(getattr(g.kv_cache_spec, "block_size", 0) or 0),
+            )
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        ]
+        limits = HoldLimits.of_pool(
+            int(kv_cache_config.num_blocks),
+            self.options.max_held_fraction,
+            self.options.max_held_requests,
+        )
+        log.info(
+            "kvbridge: prefill holds at most %d requests and %d of its %d KV blocks for "
+            "decode (max_held_requests, max_held_fraction)",
+            limits.max_requests,
+            limits.max_blocks,
+            int(kv_cache_config.num_blocks),
+        )
+        return SchedulerState(
+            groups,
+            engine_id=self.engine_id,
+            ranks=rank_addresses(self.options, self.engine_id, tp_size, pp_size),
+            transport=self.options.transport,
+            mode=self.options.mode,
+            holds=HoldBudget(limits),
+            pp_size=pp_size,
+        )
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

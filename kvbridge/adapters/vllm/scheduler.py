@@ -458,6 +458,16 @@ class SchedulerState:
             if why is not None:
                 declined = self._declined(request.request_id, why)
                 return False, self._withdrawn(layerwise, f"prefill declined: {why}", declined)
+        return True, self._publish(request, params, ids, layerwise)
+
+    def _publish(
+        self,
+        request: Any,
+        params: Mapping[str, Any],
+        ids: dict[int, list[int]],
+        layerwise: tuple[str, str] | None,
+    ) -> dict[str, Any]:
+        """P publishes a finished request's blocks: the workers' part, and the params for D."""
         num_tokens = int(request.num_computed_tokens)
         mode = _request_mode(params, self.mode, request.request_id)
         # The concurrent dispatch: D asked for a push or a layer-wise pull under the router's id
@@ -498,7 +508,7 @@ class SchedulerState:
             "remote_num_tokens": num_tokens,
             PARAMS_KEY: transfer.to_dict(),
         }
-        return True, out
+        return out
 
     def _withdrawn(
         self, layerwise: tuple[str, str] | None, why: str, answer: dict[str, Any] | None
