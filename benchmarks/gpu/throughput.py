@@ -157,7 +157,7 @@ class _Prefill(_Side):
 
         if stream:  # D's push request must have reached P: the stream writes to it
             deadline = time.monotonic() + 30
-            while not any(k[0] == stream for k in self.plane._prefill._pending_push):
+            while not any(k.request_id == stream for k in self.plane._leases._pending_push):
                 if time.monotonic() > deadline:
                     raise ThroughputError("D's layer-wise push request never reached P")
                 time.sleep(0.001)

@@ -192,7 +192,7 @@ class _Host:
             **process_usage(),
             "python_threads": dict(names),
             "planes": len(live),
-            "side_channels": sum(p._peers.open_connections for p in live),
+            "side_channels": sum(p._handshakes.open_connections for p in live),
             "finished": self.finished,
         }
 

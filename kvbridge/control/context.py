@@ -1,8 +1,9 @@
 """What the control plane's roles share, handed to each of them explicitly.
 
 ``ControlPlane`` builds one ``PlaneContext`` and gives it to its roles (``Handshakes``,
-``Transfers``, ``Leases``, ``Loads``) instead of itself: a role reads what it needs here, never
-another object's private fields, and this is the whole list of what they share.
+``Transfers``, ``Leases``, ``Loads``, and the ``LoadBook``, ``Pulls`` and ``Pushes`` of
+``Loads``) instead of itself: a role reads what it needs here, never another object's private
+fields, and this is the whole list of what they share.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from kvbridge.control.requests import (
     forget_expired,
 )
 from kvbridge.control.streams import ComputedBlocks, PushKey, ReadyNotices, Stream, fence_all
-from kvbridge.control.transfers import RankShare, Transfers, pair_digest, plan_digest
+from kvbridge.control.transfers import Move, RankShare, Transfers, pair_digest, plan_digest
 from kvbridge.core.batches import Fence, TransferOp
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify, unreadable_here
@@ -177,9 +177,9 @@ class Leases:
     its push ended, or it had nothing to read here; or when any D rank aborted, or it expired.
     """
 
-    def __init__(self, ctx: PlaneContext, peers: Handshakes, transfers: Transfers) -> None:
+    def __init__(self, ctx: PlaneContext, handshakes: Handshakes, transfers: Transfers) -> None:
         self._ctx = ctx
-        self._peers = peers
+        self._handshakes = handshakes
         self._transfers = transfers
         self._lock = ctx.lock
         self._leases: dict[str, _Lease] = {}
@@ -364,7 +364,7 @@ class Leases:
                 self._deliver(notices.remote.endpoint, ready)
                 continue
             try:
-                client = self._peers.client(notices.remote.endpoint)
+                client = self._handshakes.client(notices.remote.endpoint)
                 client.request(ready, self._ctx.deadlines.call)
             except Exception as err:
                 log.info("request %s: layers ready not told to decode: %s", request_id, err)
@@ -564,7 +564,7 @@ class Leases:
         with self._lock:
             lease = self._leases.get(body.request_id)
             reader = lease.readers.get(body.reader) if lease is not None else None
-            remote = self._peers.peer(peer)
+            remote = self._handshakes.peer(peer)
             if lease is None or reader is None or reader.engine_id != peer or remote is None:
                 raise _unknown(body.request_id)
             _require_token(lease, body)
@@ -661,7 +661,7 @@ class Leases:
         lease when P published the request; otherwise the request is kept (with its token)
         until P publishes it, and the lease is None."""
         rid, what = body.request_id, type(body).__name__
-        remote = self._peers.peer(peer)
+        remote = self._handshakes.peer(peer)
         if remote is None:
             raise MessageError("no_handshake", f"handshake before a {what}")
         lease = self._leases.get(rid)
@@ -743,7 +743,7 @@ class Leases:
                     remote.wait_connected(ctx.deadlines.connect)
                 except Exception as err:  # the connect's own error says what is wrong
                     raise TransportError(f"the transport could not reach decode: {err}") from None
-                transfers.move(TransferOp.WRITE, [(remote.engine_id, rest, reader)], stats)
+                transfers.move(TransferOp.WRITE, [Move(remote.engine_id, rest, reader)], stats)
             for written in streamed:  # every layer written before publish has landed
                 ctx.transport.wait(written)
             stats.landed(reader.params.published_at)
@@ -804,7 +804,7 @@ class Leases:
         for attempt in range(3):
             try:
                 start = time.monotonic()
-                self._peers.client(endpoint).request(done, ctx.deadlines.call)
+                self._handshakes.client(endpoint).request(done, ctx.deadlines.call)
                 took = time.monotonic() - start
                 log.log(
                     logging.WARNING if took >= ctx.deadlines.slow_after else logging.DEBUG,

@@ -16,8 +16,9 @@ failed transfer's bytes stopped (``Fence.UNPROVEN``), the blocks stay held for g
 (``unproven``) rather than go back after a grace.
 
 ``ControlPlane`` owns what the engine's roles share (endpoint, transport registration, worker
-pools, lock, outcomes, housekeeping) and composes them: ``leases.Leases`` (the prefill side),
-``loads.Loads`` (the decode side) and ``handshakes.Handshakes`` (peers and their clients), with
+pools, lock, outcomes, housekeeping) and composes them: ``leases.Leases`` (the prefill side,
+``_leases``), ``loads.Loads`` (the decode side, ``_loads``: its pulls and pushes) and
+``handshakes.Handshakes`` (peers and their clients, ``_handshakes``), with
 ``transfers.Transfers`` for the transfer steps both sides take. The roles get what they share
 as one ``context.PlaneContext`` (never the plane itself), and every time bound from its
 ``deadlines.Deadlines``.
@@ -156,10 +157,10 @@ class ControlPlane:
             asks=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask"),
             digests=ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest"),
         )
-        self._peers = Handshakes(ctx, secret)
+        self._handshakes = Handshakes(ctx, secret)
         transfers = Transfers(ctx)
-        self._prefill = Leases(ctx, self._peers, transfers)
-        self._decode = Loads(ctx, self._peers, transfers)
+        self._leases = Leases(ctx, self._handshakes, transfers)
+        self._loads = Loads(ctx, self._handshakes, transfers)
         #: ``kvbridge check``: its scratch registered now, freed in ``close``
         self._probes = Probes(ctx)
         self._endpoint = Endpoint(
@@ -235,11 +236,11 @@ class ControlPlane:
         it back is served. ``published_at``: when this engine answered the request
         (``time.time()``; now when not given), the start of ``RequestStats.landed_after_s``.
         """
-        return self._prefill.publish(request_id, block_ids, num_tokens, mode, token, published_at)
+        return self._leases.publish(request_id, block_ids, num_tokens, mode, token, published_at)
 
     def unpublish(self, request_id: str) -> None:
         """Drop a lease without a transfer (the request was aborted on P)."""
-        self._prefill.unpublish(request_id)
+        self._leases.unpublish(request_id)
 
     def stream(
         self,
@@ -265,18 +266,18 @@ class ControlPlane:
         every layer of a step. See ``kvbridge.control.streams``.
         """
         part = ComputedBlocks(block_ids, first or {}, total or {})
-        return self._prefill.stream(request_id, token, part, list(layers))
+        return self._leases.stream(request_id, token, part, list(layers))
 
     def withdraw(self, request_id: str, token: str, reason: str) -> None:
         """P will not publish this request (declined past its hold limit, or ended otherwise):
         every decode rank waiting for its push (the concurrent dispatch) is told at once, after
         the fence of what was streamed; a push asked later is refused."""
-        self._prefill.withdraw(request_id, token, reason)
+        self._leases.withdraw(request_id, token, reason)
 
     @property
     def leased(self) -> list[str]:
         """Request ids whose blocks P still holds."""
-        return self._prefill.leased
+        return self._leases.leased
 
     # -- D side -----------------------------------------------------------------------------------
     def pull(
@@ -286,14 +287,14 @@ class ControlPlane:
         ``params.layerwise``: while P computes it, each layer as P says it is computed.
         ``first_token``: the request's token at which these blocks start (the tokens this
         engine held already), which P and D of different block sizes pair by."""
-        self._decode.pull(params, block_ids, first_token)
+        self._loads.pull(params, block_ids, first_token)
 
     def push(
         self, params: TransferParams, block_ids: Mapping[int, Any], first_token: int = 0
     ) -> None:
         """Ask P to write a request into these local blocks (from the request's token
         ``first_token`` on); the outcome comes later."""
-        self._decode.push(params, block_ids, first_token)
+        self._loads.push(params, block_ids, first_token)
 
     def abort(self, params: TransferParams, reason: str = "aborted by decode") -> None:
         """Give up a request, before or during its load; P is told so it frees the blocks at once.
@@ -301,18 +302,18 @@ class ControlPlane:
         A load in progress ends with a failed outcome once it is fenced (no byte of it can land
         any more); one not started yet never starts.
         """
-        self._decode.abort(params, reason)
+        self._loads.abort(params, reason)
 
     @property
     def held(self) -> list[str]:
         """Request ids (D) whose failure waits for a fence: their blocks stay out of use."""
-        return self._decode.held
+        return self._loads.held
 
     @property
     def unproven(self) -> list[str]:
         """Request ids (D) held for good: no fence proves their bytes stopped landing (also in
         ``held``); their outcome is never reported, their blocks never handed back."""
-        return self._decode.unproven
+        return self._loads.unproven
 
     # -- both sides -------------------------------------------------------------------------------
     def poll_finished(self) -> list[RequestOutcome]:
@@ -354,7 +355,7 @@ class ControlPlane:
             max(1, min(len(endpoints), EARLY_HANDSHAKES)), thread_name_prefix="kvbridge-early"
         )
         try:
-            return [pool.submit(self._peers.prefetch, e, patience) for e in endpoints]
+            return [pool.submit(self._handshakes.prefetch, e, patience) for e in endpoints]
         finally:
             pool.shutdown(wait=False)
 
@@ -365,14 +366,14 @@ class ControlPlane:
             if ctx.closed:
                 return
             ctx.closing.set()
-        self._decode.close()
-        self._prefill.close()
+        self._loads.close()
+        self._leases.close()
         self._endpoint.close()
         ctx.requests.shutdown(wait=True, cancel_futures=True)
         ctx.asks.shutdown(wait=True, cancel_futures=True)  # after the pulls that wait on it
         ctx.peer_waits.shutdown(wait=True, cancel_futures=True)
         ctx.digests.shutdown(wait=True, cancel_futures=True)
-        self._peers.close()
+        self._handshakes.close()
         self._probes.close()
         self.transport.deregister(self.layout.registration)
 
@@ -398,9 +399,9 @@ class ControlPlane:
     def _tick(self) -> None:
         """Housekeeping, in the endpoint's thread: expired leases, late pushes, old memories."""
         now = time.monotonic()
-        self._prefill.expire(now)
-        self._decode.expire(now)
-        self._peers.release_quiet(now)
+        self._leases.expire(now)
+        self._loads.expire(now)
+        self._handshakes.release_quiet(now)
 
 
 #: How this engine answers a request from the peer engine ``peer``: a reply, or a future of one
@@ -424,20 +425,20 @@ def _acked(answer: Callable[[ControlPlane, str, Any], None]) -> _Answer:
 #: authentication messages never come here.
 _PROTOCOL: dict[type[Message], _Answer] = {
     # either side: a peer's layout and transport; answered with ours
-    Handshake: lambda plane, peer, body: plane._peers.answer(body),
+    Handshake: lambda plane, peer, body: plane._handshakes.answer(body),
     # to P, from a D rank: pull (claim, then release), push (ask, then ask how it ended)
-    PullStart: lambda plane, peer, body: plane._prefill.on_pull_start(peer, body),
-    Release: lambda plane, peer, body: plane._prefill.on_release(peer, body),
-    PushRequest: lambda plane, peer, body: plane._prefill.on_push_request(peer, body),
-    PushQuery: lambda plane, peer, body: plane._prefill.on_push_query(body),
+    PullStart: lambda plane, peer, body: plane._leases.on_pull_start(peer, body),
+    Release: lambda plane, peer, body: plane._leases.on_release(peer, body),
+    PushRequest: lambda plane, peer, body: plane._leases.on_push_request(peer, body),
+    PushQuery: lambda plane, peer, body: plane._leases.on_push_query(body),
     # to P, from a D rank: a layer-wise pull asked before P published the request
-    StreamRequest: lambda plane, peer, body: plane._prefill.on_stream_request(peer, body),
-    DigestRequest: lambda plane, peer, body: plane._prefill.on_digest_request(peer, body),
-    Abort: _acked(lambda plane, peer, body: plane._prefill.on_abort(body)),
+    StreamRequest: lambda plane, peer, body: plane._leases.on_stream_request(peer, body),
+    DigestRequest: lambda plane, peer, body: plane._leases.on_digest_request(peer, body),
+    Abort: _acked(lambda plane, peer, body: plane._leases.on_abort(body)),
     # to D, from a P rank: how its push ended
-    PushDone: _acked(lambda plane, peer, body: plane._decode.on_push_done(body, peer)),
+    PushDone: _acked(lambda plane, peer, body: plane._loads.on_push_done(body, peer)),
     # to D, from a P rank: layers of a layer-wise pull computed, or the request published
-    LayersReady: _acked(lambda plane, peer, body: plane._decode.on_layers_ready(body, peer)),
+    LayersReady: _acked(lambda plane, peer, body: plane._loads.on_layers_ready(body, peer)),
     # any side: is the peer alive and serving
     Ping: lambda plane, peer, body: Ok(),
     # any side, from `kvbridge check`: versions and handshake, then probes of its scratch only

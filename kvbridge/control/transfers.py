@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvbridge.control.context import PlaneContext
 from kvbridge.control.messages import BlockIds
@@ -29,7 +29,7 @@ log = logging.getLogger("kvbridge.control")
 class RankShare:
     """One pair of TP ranks' share of a request, as this side holds it: on P, a D rank's part
     of P's lease (``leases._Reader``: its claim, or P's write to it); on D, a P rank's part of
-    D's load (``loads._RankLoad``: D's read from it, or its write). What each side keeps beyond
+    D's load (``loadbook.RankLoad``: D's read from it, or its write). What each side keeps beyond
     this is its own; the transfer steps here take either.
 
     ``rank`` is the other side's TP rank. The part is over once ``ended`` (``end``): nothing of
@@ -56,6 +56,14 @@ class RankShare:
     def end(self, ok: bool, reason: str) -> None:
         """The part is over; lock held."""
         self.ended, self.ok, self.reason = True, ok, reason
+
+
+class Move(NamedTuple):
+    """One part's batch for ``Transfers.move``: its ``plan``, with the engine ``peer``."""
+
+    peer: str
+    plan: TransferPlan
+    part: RankShare
 
 
 def plan_digest(
@@ -115,7 +123,7 @@ class Transfers:
     def move(
         self,
         op: TransferOp,
-        parts: Sequence[tuple[str, TransferPlan, RankShare]],
+        parts: Sequence[Move],
         stats: RequestStats,
     ) -> None:
         """Submit each part's plan to its peer, then wait for them all; each ``part.handle``
@@ -144,9 +152,9 @@ class Transfers:
                 aborted = part.aborted
             if aborted:
                 transport.release(handle)
-        for _, _, part in parts:
-            assert part.handle is not None
-            transport.wait(part.handle)
+        for move in parts:
+            assert move.part.handle is not None
+            transport.wait(move.part.handle)
         stats.transfer_s = time.monotonic() - start
 
     def fence(self, handle: TransferHandle, rid: str, stats: RequestStats) -> Fence:

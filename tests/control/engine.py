@@ -215,16 +215,16 @@ def handle(
         return plane.leased
     if name == "withdrawn":  # requests D gave up before P published them
         with plane._lock:
-            return sorted({rid for rid, _token in plane._prefill._withdrawn})
+            return sorted({rid for rid, _token in plane._leases._withdrawn})
     if name == "pullers":
         with plane._lock:
             return {
                 r: next((reader.engine_id for reader in lease.readers.values()), None)
-                for r, lease in plane._prefill._leases.items()
+                for r, lease in plane._leases._leases.items()
             }
     if name == "readers":  # P: which D ranks took their part of each lease
         with plane._lock:
-            return {r: sorted(lease.readers) for r, lease in plane._prefill._leases.items()}
+            return {r: sorted(lease.readers) for r, lease in plane._leases._leases.items()}
     if name == "verify":
         return verify(cmd, config, arena, layout, original)
     if name == "verify_tp":
@@ -245,10 +245,10 @@ def handle(
         futures = plane.connect_early(cmd["endpoints"], cmd.get("patience", 300.0))
         return [None if r is None else r.engine_id for r in (f.result(60) for f in futures)]
     if name == "reading":  # D: loads whose transfer is in the transport, or that have ended
-        with plane._decode._lock:
+        with plane._loads._lock:
             reading = [
                 r
-                for r, p in plane._decode._pending.items()
+                for r, p in plane._loads._book.pending.items()
                 if any(part.handle is not None for part in p.parts.values())
             ]
         with plane._finished_cond:
@@ -260,7 +260,7 @@ def handle(
             return sorted(plane.transport._peers)
     if name == "pending_push":
         with plane._lock:
-            return sorted(rid for rid, *_ in plane._prefill._pending_push)
+            return sorted(rid for rid, *_ in plane._leases._pending_push)
     if name == "close":
         plane.close()
         registered = getattr(plane.transport, "registered", None)
@@ -282,7 +282,7 @@ def remove_faults(plane: ControlPlane) -> None:
 
 def inject_fault(plane: ControlPlane, fault: str) -> None:
     """Faults the real parts cannot produce on demand; the rest of the plane stays real."""
-    prefill, decode = plane._prefill, plane._decode
+    prefill, decode = plane._leases, plane._loads
     if fault == "drop_push_done":  # P never manages to tell D how a push ended
         prefill._deliver = lambda endpoint, done: None  # type: ignore[method-assign]
         _INJECTED.append((prefill, "_deliver"))
@@ -309,9 +309,9 @@ def inject_fault(plane: ControlPlane, fault: str) -> None:
             flip(first[id(handle)])
 
         def on_push_done_(body, sender=None):  # type: ignore[no-untyped-def]
-            pending = decode._pending.get(body.request_id)
+            pending = decode._book.pending.get(body.request_id)
             if pending is not None and body.ok:
-                remote = next(iter(plane._peers._by_endpoint.values()))
+                remote = next(iter(plane._handshakes._by_endpoint.values()))
                 plan = plan_transfers(
                     remote.layout, plane.layout, pending.params.block_ids, pending.block_ids
                 )

@@ -77,21 +77,23 @@ def test_a_quiet_prefill_is_released_and_met_again_at_the_next_request() -> None
 
         first = pull("r1")
         assert first["failed"] == [] and first["wrong_bytes"] == 0
-        assert plane._peers.open_connections == 1 and plane._peers.at(endpoint) is not None
+        assert (
+            plane._handshakes.open_connections == 1 and plane._handshakes.at(endpoint) is not None
+        )
         d.set_quiet(0.3)
         # The side channel and the transport are released by separate sweeps when their last
         # uses differ (D tells P its release after the load's outcome): wait for both.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (
-            plane._peers.at(endpoint) is not None or plane._peers.open_connections
+            plane._handshakes.at(endpoint) is not None or plane._handshakes.open_connections
         ):
             time.sleep(0.05)
-        assert plane._peers.at(endpoint) is None, "the quiet P was not released"
-        assert plane._peers.open_connections == 0, "its side channel stayed open"
+        assert plane._handshakes.at(endpoint) is None, "the quiet P was not released"
+        assert plane._handshakes.open_connections == 0, "its side channel stayed open"
         d.set_quiet(600)
         again = pull("r2")
         assert again["failed"] == [] and again["wrong_bytes"] == 0
-        assert plane._peers.at(endpoint) is not None  # met again by a handshake
+        assert plane._handshakes.at(endpoint) is not None  # met again by a handshake
     finally:
         p.close()
         d.close()
@@ -122,7 +124,7 @@ def test_send_first_tells_every_endpoint_before_any_answer_is_read() -> None:
     d = _Host(ScaleSpec())
     try:
         d.start("d", [(0, 0, 1)])
-        peers = d.planes[0].plane._peers
+        peers = d.planes[0].plane._handshakes
         asks = [(a.address, "a1"), (a.address, "a2"), (b.address, "b1")]
         sent = peers.send_first([(e, DigestRequest(r, {0: [1]}, "full")) for e, r in asks], 20)
         assert sent[1] is None, "a second call went to an endpoint with one in flight"
@@ -185,7 +187,7 @@ def test_a_quiet_release_spares_a_connection_a_push_asked_for() -> None:
     try:
         d_id = d.start("d", [(0, 0, 1)])[0]["engine_id"]
         d.handshake([p.start("p", [(0, 0, 1)])[0]["endpoint"]])
-        peers = p.planes[0].plane._peers
+        peers = p.planes[0].plane._handshakes
         remote = peers.peer(d_id)  # D's push ask looks it up (``Leases``)
         assert remote is not None
         looked_up = peers._used[d_id]

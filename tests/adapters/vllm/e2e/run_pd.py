@@ -352,7 +352,7 @@ def _pending_pushes(worker: Any) -> list[str]:
     if plane is None:
         return []
     with plane._lock:
-        return sorted({key[0] for key in plane._prefill._pending_push})
+        return sorted({key[0] for key in plane._leases._pending_push})
 
 
 def _streamed_bytes(llm: Any) -> float:
