@@ -368,40 +368,8 @@ class Handshakes:
 
     def _handshake(self, params: RankAddress, retries: int = logging.INFO) -> RemoteEngine:
         ctx = self._ctx
-        deadline = time.monotonic() + ctx.deadlines.handshake_timeout
-        delay = 0.05
         t0 = time.monotonic()
-        attempt = 1
-        while True:
-            try:
-                client = self.client(params.endpoint)
-                attempt_s = ctx.deadlines.handshake_attempt(deadline - time.monotonic())
-                reply = client.request(self._own(), attempt_s)
-                break
-            except ControlError:
-                raise  # refused (auth, layout): retrying cannot help
-            except Exception as err:
-                # Nothing listening where the request's P answered from means P died (a
-                # restarted P holds none of the request's blocks): the request fails now, not
-                # at the deadline. An engine not known yet (``prefetch``: a P still starting)
-                # is tried again.
-                if isinstance(err, PeerRefusedError) and params.engine_id:
-                    raise
-                if time.monotonic() + delay >= deadline:
-                    raise
-                # Each retry says why and how long it waits: a slow first request shows here.
-                log.log(
-                    retries,
-                    "handshake with %s: attempt %d failed after %.3f s (%s); retrying in %.2f s",
-                    params.endpoint,
-                    attempt,
-                    time.monotonic() - t0,
-                    type(err).__name__,
-                    delay,
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                attempt += 1
+        reply, attempt = self._ask(params, retries)
         answered = time.monotonic()
         if not isinstance(reply, Handshake):
             raise ControlError("protocol", f"{params.endpoint} answered a handshake with {reply}")
@@ -433,3 +401,41 @@ class Handshakes:
             self._by_endpoint[params.endpoint] = remote
             self._used[reply.engine_id] = time.monotonic()
         return remote
+
+    def _ask(self, params: RankAddress, retries: int) -> tuple[Message, int]:
+        """Send this engine's handshake to ``params`` until it answers or the handshake's
+        deadline passes, backing off; the answer and the number of attempts it took."""
+        deadline = time.monotonic() + self._ctx.deadlines.handshake_timeout
+        delay = 0.05
+        t0 = time.monotonic()
+        attempt = 1
+        while True:
+            try:
+                client = self.client(params.endpoint)
+                attempt_s = self._ctx.deadlines.handshake_attempt(deadline - time.monotonic())
+                reply = client.request(self._own(), attempt_s)
+                return reply, attempt
+            except ControlError:
+                raise  # refused (auth, layout): retrying cannot help
+            except Exception as err:
+                # Nothing listening where the request's P answered from means P died (a
+                # restarted P holds none of the request's blocks): the request fails now, not
+                # at the deadline. An engine not known yet (``prefetch``: a P still starting)
+                # is tried again.
+                if isinstance(err, PeerRefusedError) and params.engine_id:
+                    raise
+                if time.monotonic() + delay >= deadline:
+                    raise
+                # Each retry says why and how long it waits: a slow first request shows here.
+                log.log(
+                    retries,
+                    "handshake with %s: attempt %d failed after %.3f s (%s); retrying in %.2f s",
+                    params.endpoint,
+                    attempt,
+                    time.monotonic() - t0,
+                    type(err).__name__,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                attempt += 1

@@ -54,6 +54,7 @@ from kvbridge.control.transfers import Move, RankShare, Transfers, pair_digest, 
 from kvbridge.core.batches import Fence, TransferOp
 from kvbridge.core.errors import KvbridgeError, MessageError, PeerRefusedError, TransportError
 from kvbridge.core.integrity import Verify, unreadable_here
+from kvbridge.core.planning import TransferPlan
 from kvbridge.core.tp import plan_tp_pair, reporting_ranks
 
 log = logging.getLogger("kvbridge.control")
@@ -747,17 +748,7 @@ class Leases:
             for written in streamed:  # every layer written before publish has landed
                 ctx.transport.wait(written)
             stats.landed(reader.params.published_at)
-            check = Verify(request.verify)
-            value = None
-            if check is not Verify.OFF and plan is not None:
-                # D digests its whole plan: the same descriptors, not the cut by layer.
-                value = (
-                    plan_digest(plan, "src", check, rid)
-                    if stream is None
-                    else pair_digest(
-                        ctx.layout, remote.layout, src_ids, block_ids, "src", check, rid
-                    )
-                )
+            value = self._push_digest(request, remote, src_ids, plan, rid, stream is not None)
             # D plans its check with P's ids, and permutes what it received by them (a layout
             # of another cell order): a D that asked early never had them.
             source = dict(src_ids) if value is not None or early else None
@@ -780,6 +771,26 @@ class Leases:
         self._end_if_over(reader.lease, stats)
         transfers.report_slow("push", rid, stats)
         ctx.peer_waits.submit(self._deliver, remote.endpoint, done)
+
+    def _push_digest(
+        self,
+        request: PushRequest,
+        remote: RemoteEngine,
+        src_ids: BlockIds,
+        plan: TransferPlan | None,
+        rid: str,
+        streamed: bool,
+    ) -> int | None:
+        """The digest of what P pushed, as D asked for it (``None``: no check asked). D digests
+        its whole plan: the same descriptors, not the cut by layer of a streamed push."""
+        check = Verify(request.verify)
+        if check is Verify.OFF or plan is None:
+            return None
+        if not streamed:
+            return plan_digest(plan, "src", check, rid)
+        return pair_digest(
+            self._ctx.layout, remote.layout, src_ids, request.block_ids, "src", check, rid
+        )
 
     def _end_if_over(self, lease: _Lease, stats: RequestStats | None = None) -> None:
         """Free the lease once every reader is done, or once an aborted one pushes no more."""

@@ -143,20 +143,7 @@ class ControlPlane:
         self._finished: dict[str, RequestOutcome] = {}
         transport.register(layout.registration)
         #: what the roles share, handed to them instead of the plane (``PlaneContext``)
-        self._ctx = ctx = PlaneContext(
-            self.engine_id,
-            layout,
-            transport,
-            lock,
-            # looked up at each outcome: a test may wrap the class's ``_record``
-            record=lambda outcome: self._record(outcome),
-            deadlines=deadlines,
-            verify=Verify(verify),
-            requests=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request"),
-            peer_waits=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence"),
-            asks=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask"),
-            digests=ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest"),
-        )
+        self._ctx = ctx = self._context(lock, deadlines, Verify(verify), workers)
         self._handshakes = Handshakes(ctx, secret)
         transfers = Transfers(ctx)
         self._leases = Leases(ctx, self._handshakes, transfers)
@@ -172,6 +159,25 @@ class ControlPlane:
             on_tick=self._tick,
         )
         ctx.endpoint = self._endpoint.address
+
+    def _context(
+        self, lock: threading.RLock, deadlines: Deadlines, verify: Verify, workers: int
+    ) -> PlaneContext:
+        """What the roles share: the layout, the transport, the lock, the bounds, the pools."""
+        return PlaneContext(
+            self.engine_id,
+            self.layout,
+            self.transport,
+            lock,
+            # looked up at each outcome: a test may wrap the class's ``_record``
+            record=lambda outcome: self._record(outcome),
+            deadlines=deadlines,
+            verify=verify,
+            requests=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-request"),
+            peer_waits=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-fence"),
+            asks=ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-ask"),
+            digests=ThreadPoolExecutor(2, thread_name_prefix="kvbridge-digest"),
+        )
 
     # -- settings: the roles read them from the context; a change derives every bound again -----
     @property
