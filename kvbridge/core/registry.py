@@ -39,7 +39,6 @@ from typing import Any
 
 from stevedore import ExtensionManager, NamedExtensionManager
 
-from kvbridge.core.contract import check_transport_options
 from kvbridge.core.errors import (
     TransportConflictError,
     TransportError,
@@ -47,6 +46,7 @@ from kvbridge.core.errors import (
     TransportUnavailableError,
 )
 from kvbridge.core.transport import Transport
+from kvbridge.core.transport_options import check_transport_options
 
 NAMESPACE = "kvbridge.transports"
 
