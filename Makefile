@@ -167,10 +167,11 @@ example-plugin: $(STAMPPLUGIN)
 	$(VENVPLUGIN)/bin/python -m pytest -q -p no:cacheprovider examples/procmem-transport/tests
 
 # Every stage but e2e at once: mypy, the unit tests, the adapter under vLLM 0.33's and 0.34's
-# Python layers, the example plugin. The unit tests wait on engine processes and leave the cores
-# idle now and then, which the others (no engine, no waits) fill: measured on this 2-core machine,
-# the four stages that took 19.5 min one after the other took 17.5 together. Each stage's output
-# comes whole when it ends. Their venvs are made first, one after the other (one pip cache).
+# Python layers, the example plugin. The unit tests wait on engine timeouts and leave the cores
+# idle now and then, which mypy and the vLLM layers (no engine, no waits) fill; the plugin runs
+# engines of its own and gains less. Measured on this 2-core machine: the four took 21.4 min one
+# after the other, 20-22 together; mypy, unit and the layers alone, 19.5 against 17.5. Each
+# stage's output comes whole when it ends. Their venvs are made first, one after the other.
 checks: $(STAMP33) $(STAMP34) $(STAMPPLUGIN)
 	@$(MAKE) --no-print-directory -j5 --output-sync=target typecheck unit test-vllm033 test-vllm034 example-plugin
 
