@@ -387,8 +387,9 @@ def run(
                         got = decode.call("run", way, params, rep == 0 and case.verify, timeout=300)
                         if rep:  # the first repetition connects and checks
                             times[way].append(got["seconds"])
-                prefill.call("end_case", timeout=120)
+                # D first: closing its plane waits for its last release to reach P.
                 decode.call("end_case", timeout=120)
+                prefill.call("end_case", timeout=120)
                 med = {w: statistics.median(v) for w, v in times.items()}
                 row = {
                     "shape": shape,
@@ -470,8 +471,8 @@ def run_streaming(
                 done = decode.call("wait_done", rid, timeout=300)
                 runs["layerwise"] = done["done"] - fwd["start"]
                 runs["streamed_bytes"] = float(done["streamed"])
+            decode.call("end_case", timeout=120)  # D first, as in ``run``
             prefill.call("end_case", timeout=120)
-            decode.call("end_case", timeout=120)
             row = {"shape": shape[0], "layers": shape[1], "tokens": count, "hidden": hidden}
             row.update({f"{k}_s" if k != "streamed_bytes" else k: v for k, v in runs.items()})
             row["then_whole_x"] = runs["then_whole"] / runs["forward"]
