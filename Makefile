@@ -157,13 +157,13 @@ results-e2e: $(STAMP)
 
 # The example transport plugin (docs: Transports), installed as its own distribution, against
 # the whole conformance suite that ships in kvbridge.testing (what a third party runs).
-$(STAMPPLUGIN): $(STAMP)
+# (Installed again when the example's source or its metadata changed.)
+PLUGIN_SOURCE := examples/procmem-transport/procmem_transport.py examples/procmem-transport/pyproject.toml
+$(STAMPPLUGIN): $(STAMP) $(PLUGIN_SOURCE)
 	$(call overlay,$(VENVPLUGIN),./examples/procmem-transport)
 	@touch $(STAMPPLUGIN)
 
-# (Reinstalled each run: the example's source is in this tree and may have changed.)
 example-plugin: $(STAMPPLUGIN)
-	$(VENVPLUGIN)/bin/python -m pip install -q --no-deps ./examples/procmem-transport
 	$(VENVPLUGIN)/bin/python -m pytest -q -p no:cacheprovider examples/procmem-transport/tests
 
 # Every stage but e2e at once: mypy, the unit tests, the adapter under vLLM 0.33's and 0.34's
