@@ -1,5 +1,5 @@
 """A test run's processes write their temp files in its scratch folder, gone when it ends
-(``tests/conftest.py``): vLLM engines and ``kvbridge demo`` leave files in the temp folder."""
+(``tests/scratch.py``): vLLM engines and ``kvbridge demo`` leave files in the temp folder."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import SCRATCH_ENV
+from tests.scratch import SCRATCH_ENV
 
 CHILD = "import tempfile; print(tempfile.gettempdir())"
 
@@ -39,7 +39,8 @@ def test_a_run_removes_its_scratch_folder_and_what_its_processes_left_there(
 ) -> None:
     root = tmp_path / "inner"
     (root / "tests").mkdir(parents=True)
-    shutil.copy(Path(__file__).with_name("conftest.py"), root / "tests" / "conftest.py")
+    for name in ("conftest.py", "scratch.py"):
+        shutil.copy(Path(__file__).with_name(name), root / "tests" / name)
     (root / "tests" / "test_inner.py").write_text(INNER_TEST)
     temp = tmp_path / "temp"  # the inner run's "real" temp folder
     temp.mkdir()
