@@ -34,7 +34,7 @@ VENVLATEST := .venv-vllm-latest
 VENVPLUGIN := .venv-plugin
 STAMPPLUGIN := $(VENVPLUGIN)/.kvbridge-installed
 
-.PHONY: demo demo-vllm test test-e2e results-e2e test-vllm033 test-vllm034 test-vllm-layers test-vllm-latest soak lint typecheck docs docs-serve unit typecheck-and-unit checks example-plugin setup system-deps examples clean
+.PHONY: demo demo-vllm test test-e2e results-e2e test-vllm033 test-vllm034 test-vllm-layers test-vllm-latest e2e-references soak lint typecheck docs docs-serve unit typecheck-and-unit checks example-plugin setup system-deps examples clean
 
 setup: $(STAMP)
 
@@ -147,6 +147,16 @@ test-vllm-latest: $(STAMP)
 	@$(VENVLATEST)/bin/python -c "import vllm; print('test-vllm-latest: vLLM', vllm.__version__)"
 	VLLM_TARGET_DEVICE=cpu $(VENVLATEST)/bin/python -m pytest -q -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
 
+# The single-instance references the e2e runs compare against (a tiny model and one vLLM
+# instance's outputs, 25-40 s each, mostly one core's work), built ahead into .e2e-cache (keyed
+# by the harness's source, the versions and the CPU): `checks` builds them beside the unit tests,
+# where the cores have time to spare; test-e2e builds any still missing.
+# The engines' own log goes to .e2e-cache/references.log (its end is printed on a failure).
+e2e-references: $(STAMP)
+	@mkdir -p .e2e-cache
+	$(BIN)/python -m tests.adapters.vllm.e2e.references 2> .e2e-cache/references.log \
+	  || { tail -n 60 .e2e-cache/references.log; exit 1; }
+
 # End-to-end runs on real vLLM engines (models x transports x modes, a served deployment): slow.
 test-e2e: $(STAMP)
 	KVBRIDGE_E2E=1 $(BIN)/pytest -q -m e2e --durations=25
@@ -167,13 +177,15 @@ example-plugin: $(STAMPPLUGIN)
 	$(VENVPLUGIN)/bin/python -m pytest -q -p no:cacheprovider examples/procmem-transport/tests
 
 # Every stage but e2e at once: mypy, the unit tests, the adapter under vLLM 0.33's and 0.34's
-# Python layers, the example plugin. The unit tests wait on engine timeouts and leave the cores
-# idle now and then, which mypy and the vLLM layers (no engine, no waits) fill; the plugin runs
-# engines of its own and gains less. Measured on this 2-core machine: the four took 21.4 min one
-# after the other, 20-22 together; mypy, unit and the layers alone, 19.5 against 17.5. Each
-# stage's output comes whole when it ends. Their venvs are made first, one after the other.
+# Python layers, the example plugin, the e2e stage's references. The unit tests wait on engine
+# timeouts and leave the cores idle now and then, which mypy, the vLLM layers (no engine, no
+# waits) and the references (mostly one core) fill; the plugin runs engines of its own and gains
+# less. Measured on this 2-core machine: the first four took 21.4 min one after the other, 20-22
+# together; mypy, unit and the layers alone, 19.5 against 17.5; the references take 5.4 min
+# alone (10 of them). Each stage's output comes whole when it ends. Their venvs are made first,
+# one after the other.
 checks: $(STAMP33) $(STAMP34) $(STAMPPLUGIN)
-	@$(MAKE) --no-print-directory -j5 --output-sync=target typecheck unit test-vllm033 test-vllm034 example-plugin
+	@$(MAKE) --no-print-directory -j6 --output-sync=target typecheck unit test-vllm033 test-vllm034 example-plugin e2e-references
 
 test: lint docs checks test-e2e
 
@@ -193,7 +205,7 @@ examples: $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from kvbridge.workloads.layouts import write_examples; write_examples(Path('examples'))"
 
 clean:
-	rm -rf $(VENV) $(VENV33) $(VENV34) $(VENVLATEST) $(VENVPLUGIN) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results
+	rm -rf $(VENV) $(VENV33) $(VENV34) $(VENVLATEST) $(VENVPLUGIN) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info .e2e-results .e2e-cache
 
 # Benchmarks (kvbridge bench): `make bench` prints the tables; `make bench-docs` reruns the
 # published run and regenerates its results pages (docs/results/) and charts.

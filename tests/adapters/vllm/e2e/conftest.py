@@ -7,28 +7,24 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.adapters.vllm.e2e.run_pd import CASES, Reference, build_reference
+from tests.adapters.vllm.e2e.references import References
+from tests.adapters.vllm.e2e.run_pd import Reference
 
 _SESSION_START = time.time()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "e2e: end-to-end run on real vLLM engines (KVBRIDGE_E2E=1)")
+#: The session's references (``references.References``), for the summary.
+_REFERENCES: list[References] = []
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Reference]:
-    """Each model built once per session, with its single-instance outputs (shared by cases);
-    ``tp``: the single instance at that TP size (D's, when D runs TP > 1)."""
-    cache: dict[tuple[str, int], Reference] = {}
-    root = tmp_path_factory.mktemp("models")
-
-    def get(name: str, tp: int = 1) -> Reference:
-        if (name, tp) not in cache:
-            cache[(name, tp)] = build_reference(CASES[name], root, tp=tp)
-        return cache[(name, tp)]
-
-    return get
+def reference() -> Callable[..., Reference]:
+    """Each model with its single-instance outputs (shared by cases), as ``make
+    e2e-references`` left them in ``.e2e-cache``, or built now and kept there; ``tp``: the
+    single instance at that TP size (D's, when D runs TP > 1)."""
+    refs = References()
+    _REFERENCES.append(refs)
+    return refs.get
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -38,6 +34,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
     from tests.adapters.vllm.e2e.test_pd import RESULTS
 
+    for refs in _REFERENCES:
+        built = ", ".join(f"{n} (TP {t}, {s:.0f} s)" for n, t, s in refs.built) or "none"
+        terminalreporter.write_line(
+            f"single-instance references: {len(refs.loaded)} read from {refs.root}; "
+            f"built in this session: {built}"
+        )
     files = sorted(RESULTS.glob("pd-*.json")) if RESULTS.is_dir() else []
     runs = [json.loads(f.read_text()) for f in files if f.stat().st_mtime >= _SESSION_START]
     if not runs:
