@@ -857,6 +857,8 @@ def run_pair(
     try:
         t_p, t_d = p.wait_ready(), d.wait_ready()
         log(f"{case.name}/{transport}: P ready in {t_p:.1f} s, D ready in {t_d:.1f} s")
+        # In the results file: a slow start shows there (the readiness bound is 240 s).
+        summary["ready_s"] = {"P": round(t_p, 1), "D": round(t_d, 1)}
         # vLLM compiles its log-prob sampler op (torch.compile) at the first request that asks
         # for log-probs: 1.5-3.5 s on these CPUs, in any engine, kvbridge or not. D's first
         # time to first token would measure that compile, so D asks once before the prompts.
