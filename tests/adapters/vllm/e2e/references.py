@@ -144,9 +144,9 @@ def main() -> int:
     try:
         refs = References()
         for name, tp in needed():
+            before = len(refs.built)
             refs.get(name, tp)
-            done = {(n, t): s for n, t, s in refs.built}
-            how = f"built in {done[(name, tp)]:.0f} s" if (name, tp) in done else "kept"
+            how = f"built in {refs.built[-1][2]:.0f} s" if len(refs.built) > before else "kept"
             print(f"e2e reference {name} (TP {tp}): {how}", flush=True)
         print(f"e2e references in {refs.root}", flush=True)
     finally:
