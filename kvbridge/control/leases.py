@@ -544,6 +544,12 @@ class Leases:
         with self._lock:
             lease = self._leases.get(body.request_id)
             if lease is None:
+                if (body.request_id, body.token) in self._ended:
+                    # The hold ended first (its lease ran out, D aborted, or this is a late
+                    # repeat): the blocks went back then and its end was logged, so the bearer's
+                    # release has nothing left to free and is no refusal.
+                    log.debug("request %s: release after its hold ended", body.request_id)
+                    return Ok()
                 raise _unknown(body.request_id)
             _require_token(lease, body)
             reader = lease.readers.get(body.reader)

@@ -118,6 +118,15 @@ def test_a_replayed_login_or_claim_is_refused(engines, raw):
     assert code_of(reply) == "hold_ended" and "released by decode" in reply.message, reply
     guess = PullStart("once", ids, token="x" * len(params["token"]))
     assert code_of(honest.send(guess).body) == "unknown_request"
+    # A late release by the bearer (D's, after P's lease ran out) has nothing left to free:
+    # answered Ok and logged as no refusal; without the token it is unknown, as above.
+    late = raw(p.info["endpoint"])  # a peer with no refusal logged yet
+    assert isinstance(late.login(SECRET), Ok)
+    assert isinstance(late.send(Release("once", token=params["token"])).body, Ok)
+    assert refusals(p, "unknown_request", "raw-client") == []
+    guessed = Release("once", token="x" * len(params["token"]))
+    assert code_of(late.send(guessed).body) == "unknown_request"
+    assert len(refusals(p, "unknown_request", "raw-client")) == 1
 
 
 def test_an_abort_before_publish_withdraws_only_with_the_token(engines, raw):
