@@ -151,11 +151,13 @@ test-vllm-latest: $(STAMP)
 # instance's outputs, 25-40 s each, mostly one core's work), built ahead into .e2e-cache (keyed
 # by the harness's source, the versions and the CPU): `checks` builds them beside the unit tests,
 # where the cores have time to spare; test-e2e builds any still missing.
-# The engines' own log goes to .e2e-cache/references.log (its end is printed on a failure).
+# Everything goes to .e2e-cache/references.log (vLLM logs on stdout too); its own lines are
+# printed from there, and the log's end on a failure.
 e2e-references: $(STAMP)
 	@mkdir -p .e2e-cache
-	$(BIN)/python -m tests.adapters.vllm.e2e.references 2> .e2e-cache/references.log \
+	@$(BIN)/python -m tests.adapters.vllm.e2e.references > .e2e-cache/references.log 2>&1 \
 	  || { tail -n 60 .e2e-cache/references.log; exit 1; }
+	@grep '^e2e reference' .e2e-cache/references.log
 
 # End-to-end runs on real vLLM engines (models x transports x modes, a served deployment): slow.
 test-e2e: $(STAMP)
