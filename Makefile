@@ -148,7 +148,7 @@ test-vllm-latest: $(STAMP)
 	VLLM_TARGET_DEVICE=cpu $(VENVLATEST)/bin/python -m pytest -q -m "not e2e" $(ADAPTER_TESTS) -k "not e2e"
 
 # The single-instance references the e2e runs compare against (a tiny model and one vLLM
-# instance's outputs, 25-40 s each, mostly one core's work), built ahead into .e2e-cache (keyed
+# instance's outputs, 30-65 s each, mostly one core's work), built ahead into .e2e-cache (keyed
 # by the harness's source, the versions and the CPU): `checks` builds them beside the unit tests,
 # where the cores have time to spare; test-e2e builds any still missing.
 # Everything goes to .e2e-cache/references.log (vLLM logs on stdout too); its own lines are
@@ -183,7 +183,7 @@ example-plugin: $(STAMPPLUGIN)
 # timeouts and leave the cores idle now and then, which mypy, the vLLM layers (no engine, no
 # waits) and the references (mostly one core) fill; the plugin runs engines of its own and gains
 # less. Measured on this 2-core machine: the first four took 21.4 min one after the other, 20-22
-# together; mypy, unit and the layers alone, 19.5 against 17.5; the references take 5.4 min
+# together; mypy, unit and the layers alone, 19.5 against 17.5; the references take 5.4-6.8 min
 # alone (10 of them). Each stage's output comes whole when it ends. Their venvs are made first,
 # one after the other.
 checks: $(STAMP33) $(STAMP34) $(STAMPPLUGIN)

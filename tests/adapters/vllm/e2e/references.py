@@ -1,7 +1,7 @@
 """The single-instance references the e2e runs compare against, kept on disk between runs.
 
 A reference is a tiny model (``ModelCase.build``) and one vLLM instance's greedy outputs for its
-prompts, with no connector (``run_pd.build_reference``). Building one takes 25-40 s, mostly of
+prompts, with no connector (``run_pd.build_reference``). Building one takes 30-65 s, mostly of
 one core (vLLM's start, then one prompt after another), and the e2e stage needs ten: about six
 minutes of its half-idle time. ``make test`` builds them beside the unit tests instead
 (``make e2e-references``, in ``checks``), where the cores have time to spare, and the e2e stage
